@@ -1,0 +1,87 @@
+"""Full-KV generation: the reference decoder every lossless mode is compared against."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from decoder.config import Mode
+from decoder.runner import ModelRunner, SeqInput
+
+StopReason = Literal["eos", "length"]
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (the prompt excluded) and how generation went."""
+
+    tokens: list[int]
+    stop_reason: StopReason
+    stats: dict[str, float | int] = field(default_factory=dict)
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """logits: [V] -> the arg-max token (lowest id on ties)."""
+    return int(torch.argmax(logits))
+
+
+def generate_full(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    mode: Mode = "exact",
+) -> list[GenerationResult]:
+    """Greedy full-KV decoding of a batch of prompts: prefill, then one token per step.
+
+    Each request stops at its first EOS token (which is included) or after
+    `max_new_tokens` tokens. In exact mode a request's tokens do not depend on the batch.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    eos = set(eos_token_ids)
+    caches = [runner.new_cache(capacity=len(p) + max_new_tokens) for p in prompts]
+    t0 = time.perf_counter()
+    logits = runner.forward([SeqInput.extend(c, p) for c, p in zip(caches, prompts, strict=True)],
+                            mode)
+    prefill_s = time.perf_counter() - t0
+    outputs: list[list[int]] = [[greedy(lg[-1])] for lg in logits]
+    live = [i for i, out in enumerate(outputs) if not _finished(out, eos, max_new_tokens)]
+    steps = 0
+    t1 = time.perf_counter()
+    while live:
+        logits = runner.forward([SeqInput.extend(caches[i], outputs[i][-1:]) for i in live], mode)
+        steps += 1
+        for i, lg in zip(live, logits, strict=True):
+            outputs[i].append(greedy(lg[-1]))
+        live = [i for i in live if not _finished(outputs[i], eos, max_new_tokens)]
+    decode_s = time.perf_counter() - t1
+    return [_result(out, eos, prompt, prefill_s, decode_s, steps)
+            for out, prompt in zip(outputs, prompts, strict=True)]
+
+
+def _finished(out: list[int], eos: set[int], max_new_tokens: int) -> bool:
+    return out[-1] in eos or len(out) >= max_new_tokens
+
+
+def _result(out, eos, prompt, prefill_s, decode_s, steps) -> GenerationResult:
+    total = prefill_s + decode_s
+    return GenerationResult(
+        tokens=out,
+        stop_reason="eos" if out[-1] in eos else "length",
+        stats={
+            "prompt_tokens": len(prompt),
+            "generated_tokens": len(out),
+            "prefill_s": round(prefill_s, 4),
+            "decode_s": round(decode_s, 4),
+            "decode_steps": steps,
+            "tokens_per_s": round(len(out) / total, 3) if total > 0 else 0.0,
+        },
+    )

@@ -1,0 +1,183 @@
+"""Numerical building blocks of the forward pass, in an exact and a fast flavour.
+
+Exact-mode contract (DESIGN.md section 5): the result for one token is a deterministic
+function of that token's inputs and the keys at positions <= its own, whatever else is
+computed alongside. It rests on three facts that `decoder.selfcheck` proves at start-up:
+
+- a matrix product's row does not depend on the other rows once the product has at least
+  `row_tile` rows (the caller pads rows to a multiple of the tile);
+- attention scores and probabilities are computed per fixed key chunk of `key_chunk`
+  absolute positions (masked keys contribute exact zeros; they must hold finite values);
+- the per-chunk partial results are merged in position order by a sequential prefix sum,
+  and each query reads the prefix that ends at its own chunk, so keys after it (absent or
+  present) never enter its result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from decoder.config import RopeConfig, ceil_to
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [N, d] -> [N, d]; row-wise, the same formula as Hugging Face's LlamaRMSNorm."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [N, 2I] (gate then up) -> [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RopeTable:
+    """cos/sin of rotary embeddings, computed in fixed blocks of positions.
+
+    Each block is computed with the same shapes whenever it is (re)built, so the value for a
+    position never depends on how many positions were needed before.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        self.inv_freq = _inv_freq(rope, head_dim)  # [D/2]
+        self.cos = torch.empty(0, head_dim)
+        self.sin = torch.empty(0, head_dim)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [N] int64 -> (cos, sin), each [N, D]."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        while self.cos.shape[0] < need:
+            self._grow()
+        return self.cos[positions], self.sin[positions]
+
+    def _grow(self) -> None:
+        start = self.cos.shape[0]
+        pos = torch.arange(start, start + self.BLOCK, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [BLOCK, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [BLOCK, D]
+        self.cos = torch.cat([self.cos, emb.cos()])
+        self.sin = torch.cat([self.sin, emb.sin()])
+
+
+def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.kind == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    low_wavelen = rope.original_max_positions / rope.low_freq_factor
+    high_wavelen = rope.original_max_positions / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_positions / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; cos/sin: [N, D] -> [N, heads, D] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def exact_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_pos: torch.Tensor,
+    *,
+    key_chunk: int,
+    row_tile: int,
+    query_block: int,
+) -> torch.Tensor:
+    """Causal attention whose per-query result is independent of grouping and future keys.
+
+    q: [T, H, D], already rotated and multiplied by the softmax scale.
+    keys, values: [KVH, capacity, D] where slot j holds absolute position j (a dense cache
+        from position 0); capacity is a multiple of key_chunk and every slot holds finite
+        values (unused slots are masked, never read as NaN).
+    q_pos: [T] int64 absolute positions; every key at a position <= q_pos[t] must be present.
+    Returns [T, H, D].
+    """
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], query_block):
+        end = min(q.shape[0], start + query_block)
+        out[start:end] = _exact_attention_block(
+            q[start:end], keys, values, q_pos[start:end], key_chunk, row_tile
+        )
+    return out
+
+
+def _exact_attention_block(q, keys, values, q_pos, key_chunk: int, row_tile: int):
+    t, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    rows = t * group
+    padded = ceil_to(rows, row_tile)
+    # qr: [KVH, padded, D]; row r is token r // group, query head (r % group) of the kv head.
+    qr = q.new_zeros(kv_heads, padded, dim)
+    qr[:, :rows] = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, rows, dim)
+    row_pos = torch.zeros(padded, dtype=torch.long)  # padding rows attend to position 0 only
+    row_pos[:rows] = q_pos.repeat_interleave(group)
+    n_chunks = int(q_pos.max()) // key_chunk + 1
+    n_keys = n_chunks * key_chunk
+
+    scores = torch.matmul(qr, keys[:, :n_keys].transpose(1, 2))  # [KVH, padded, n_keys]
+    visible = torch.arange(n_keys)[None, :] <= row_pos[:, None]  # [padded, n_keys]
+    scores.masked_fill_(~visible, float("-inf"))
+    scores = scores.view(kv_heads, padded, n_chunks, key_chunk)
+    chunk_max = scores.amax(-1)  # [KVH, padded, n_chunks]
+    safe_max = chunk_max.masked_fill(chunk_max == float("-inf"), 0.0)
+    probs = torch.exp(scores - safe_max.unsqueeze(-1))  # masked keys -> exactly 0
+    chunk_sum = probs.sum(-1)  # [KVH, padded, n_chunks]
+    chunk_out = torch.matmul(  # [KVH, n_chunks, padded, D]
+        probs.transpose(1, 2), values[:, :n_keys].view(kv_heads, n_chunks, key_chunk, dim)
+    )
+
+    # Merge chunks in position order: prefix sums, read at each row's own last chunk.
+    row_max = chunk_max.amax(-1, keepdim=True)  # [KVH, padded, 1]
+    weight = torch.exp(chunk_max - row_max)  # [KVH, padded, n_chunks]
+    numer = torch.cumsum(chunk_out * weight.transpose(1, 2).unsqueeze(-1), dim=1)
+    denom = torch.cumsum(chunk_sum * weight, dim=-1)
+    last = row_pos // key_chunk  # [padded]
+    row = torch.arange(padded)
+    merged = numer[:, last, row] / denom[:, row, last].unsqueeze(-1)  # [KVH, padded, D]
+    return merged[:, :rows].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
+
+
+def fast_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over keys at arbitrary positions, with torch's fused kernel.
+
+    q: [T, H, D] rotated, not scaled; keys/values: [KVH, N, D]; q_pos: [T]; k_pos: [N].
+    Returns [T, H, D]. No exactness guarantee: for drafting.
+    """
+    mask = k_pos[None, :] <= q_pos[:, None]  # [T, N]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, T, D]
+    return out[0].transpose(0, 1)

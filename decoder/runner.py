@@ -1,0 +1,201 @@
+"""The Llama-family forward pass over explicit per-sequence KV caches.
+
+One `forward` call processes any mix of sequences, each contributing `t >= 1` new tokens
+on top of its own cache: a prefill (empty cache, T tokens), a decode step (1 token) and a
+verification chunk (k tokens) are the same call. New tokens' keys and values are appended
+to their sequence's cache.
+
+In exact mode (the default) every token's logits and KV are bitwise independent of how
+tokens are grouped into calls, of the other sequences in the batch, and of the context
+that follows it (see `decoder.kernels`). Fast mode uses torch's fused kernels without that
+guarantee; it is meant for drafting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
+from decoder.kernels import (
+    RopeTable,
+    apply_rope,
+    exact_attention,
+    fast_attention,
+    rms_norm,
+    swiglu,
+)
+from decoder.kv_cache import KVCache
+from decoder.weights import LayerWeights, ModelWeights
+
+Logits = Literal["all", "last", "none"]
+
+
+@dataclass
+class SeqInput:
+    """New tokens of one sequence for a forward call."""
+
+    tokens: torch.Tensor  # [t] int64
+    positions: torch.Tensor  # [t] int64 absolute positions, increasing, after the cache's
+    cache: KVCache
+    logits: Logits = "last"
+    """Which of the new tokens need logits."""
+
+    @classmethod
+    def extend(cls, cache: KVCache, tokens: Sequence[int] | torch.Tensor,
+               logits: Logits = "last") -> SeqInput:
+        """Tokens that continue `cache` at the next consecutive positions."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        start = cache.next_position
+        return cls(ids, torch.arange(start, start + ids.numel()), cache, logits)
+
+
+class ExactModeUnsupported(RuntimeError):
+    """The platform's kernels do not give grouping-independent results (see selfcheck)."""
+
+
+class ModelRunner:
+    """Runs the model; owns no sequence state (caches belong to the caller)."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights,
+                 runner_config: RunnerConfig | None = None) -> None:
+        self.config = config
+        self.weights = weights
+        self.rc = runner_config or RunnerConfig()
+        if self.rc.threads:
+            torch.set_num_threads(self.rc.threads)
+        self.rope = RopeTable(config.rope, config.head_dim)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._exact_checked = not self.rc.self_check
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        return KVCache(self.config, granule=self.rc.key_chunk, capacity=capacity)
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqInput], mode: Mode = "exact") -> list[torch.Tensor | None]:
+        """Process new tokens of every sequence; returns logits per sequence.
+
+        Logits are [t, V] for `logits="all"`, [1, V] for "last", None for "none".
+        Raises ValueError on malformed input, ExactModeUnsupported when exact mode was
+        refused by the start-up self-check.
+        """
+        exact = mode == "exact"
+        if mode not in ("exact", "fast"):
+            raise ValueError(f"mode must be 'exact' or 'fast', got {mode!r}")
+        if exact:
+            self.ensure_exact_supported()
+        spans = self._validate(seqs, exact)
+        n = spans[-1][1]
+        rows = ceil_to(n, self.rc.row_tile) if exact else n
+        positions = torch.zeros(rows, dtype=torch.long)
+        positions[:n] = torch.cat([s.positions for s in seqs])
+        token_ids = torch.zeros(rows, dtype=torch.long)  # padding rows: token 0, position 0
+        token_ids[:n] = torch.cat([s.tokens for s in seqs])
+
+        x = self.weights.embed[token_ids]  # [rows, d]
+        cos, sin = self.rope.lookup(positions)  # [rows, D] each
+        for index, layer in enumerate(self.weights.layers):
+            x = x + self._attention(index, layer, x, cos, sin, seqs, spans, exact)
+            x = x + self._mlp(layer, x)
+        return self._logits(x, seqs, spans, exact)
+
+    def ensure_exact_supported(self) -> None:
+        """Run the exact-mode self-check once (cached per platform and shapes)."""
+        if self._exact_checked:
+            return
+        from decoder.selfcheck import check_exact_mode
+
+        problem = check_exact_mode(self.config, self.weights, self.rc)
+        if problem:
+            raise ExactModeUnsupported(
+                f"exact mode refused on this platform: {problem}. Lossless decoding needs "
+                "grouping-independent kernels; use a supported torch build (CPU/MKL, "
+                "torch 2.13) or run with --runner fast (no bitwise guarantee)."
+            )
+        self._exact_checked = True
+
+    def _attention(self, index: int, w: LayerWeights, x, cos, sin, seqs, spans, exact: bool):
+        c = self.config
+        h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+        qkv = F.linear(h, w.wqkv)  # [rows, (H + 2*KVH) * D]
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q = qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim)
+        k = qkv[:, q_dim:q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_dim + kv_dim:].view(-1, c.num_kv_heads, c.head_dim)
+        q = apply_rope(q, cos, sin)  # [rows, H, D]
+        k = apply_rope(k, cos, sin)  # [rows, KVH, D]
+        if exact:
+            q = q * self.scale
+        out = torch.zeros_like(q)
+        for seq, (start, end) in zip(seqs, spans, strict=True):
+            layer_kv = seq.cache.layers[index]
+            layer_kv.append(k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                            seq.positions)
+            out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, exact)
+        return F.linear(out.view(out.shape[0], -1), w.wo)
+
+    def _attend(self, layer_kv, q, q_pos, exact: bool):
+        if exact:
+            return exact_attention(q, layer_kv.k, layer_kv.v, q_pos,
+                                   key_chunk=self.rc.key_chunk, row_tile=self.rc.row_tile,
+                                   query_block=self.rc.query_block)
+        keys, values, k_pos = layer_kv.live()
+        return fast_attention(q, keys, values, q_pos, k_pos, self.scale)
+
+    def _mlp(self, w: LayerWeights, x):
+        h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
+        return F.linear(swiglu(F.linear(h, w.w_gate_up)), w.w_down)
+
+    def _logits(self, x, seqs, spans, exact: bool) -> list[torch.Tensor | None]:
+        picks = [_picked_rows(seq.logits, start, end)
+                 for seq, (start, end) in zip(seqs, spans, strict=True)]
+        rows = torch.cat(picks)
+        if rows.numel() == 0:
+            return [None] * len(seqs)
+        padded = ceil_to(rows.numel(), self.rc.row_tile) if exact else rows.numel()
+        selected = x.new_zeros(padded, x.shape[1])
+        selected[: rows.numel()] = x[rows]
+        h = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
+        logits = F.linear(h, self.weights.lm_head)  # [padded, V]
+        out: list[torch.Tensor | None] = []
+        offset = 0
+        for seq, pick in zip(seqs, picks, strict=True):
+            out.append(None if seq.logits == "none" else logits[offset:offset + pick.numel()])
+            offset += pick.numel()
+        return out
+
+    def _validate(self, seqs: Sequence[SeqInput], exact: bool) -> list[tuple[int, int]]:
+        if not seqs:
+            raise ValueError("forward needs at least one sequence")
+        if len({id(s.cache) for s in seqs}) != len(seqs):
+            raise ValueError("each sequence in one forward call needs its own cache")
+        spans, offset = [], 0
+        for i, s in enumerate(seqs):
+            t = s.tokens.numel()
+            if t == 0 or s.tokens.dim() != 1 or s.positions.shape != s.tokens.shape:
+                raise ValueError(f"seqs[{i}]: tokens and positions must be equal non-empty [t]")
+            if int(s.tokens.min()) < 0 or int(s.tokens.max()) >= self.config.vocab_size:
+                raise ValueError(f"seqs[{i}]: token ids must be in [0, {self.config.vocab_size})")
+            start = s.cache.next_position
+            if int(s.positions[0]) < start or (t > 1 and bool((s.positions.diff() <= 0).any())):
+                raise ValueError(f"seqs[{i}]: positions must increase and start at >= {start}")
+            if exact and not (s.cache.dense and int(s.positions[0]) == start
+                              and int(s.positions[-1]) == start + t - 1):
+                raise ValueError(f"seqs[{i}]: exact mode needs a dense cache and consecutive "
+                                 "positions (compressed caches are for fast mode)")
+            spans.append((offset, offset + t))
+            offset += t
+        return spans
+
+
+def _picked_rows(which: Logits, start: int, end: int) -> torch.Tensor:
+    if which == "all":
+        return torch.arange(start, end)
+    if which == "last":
+        return torch.tensor([end - 1])
+    return torch.empty(0, dtype=torch.long)

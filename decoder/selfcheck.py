@@ -1,0 +1,77 @@
+"""Start-up proof that exact mode is exact on this platform.
+
+Exact mode leans on properties of the platform's kernels (see `decoder.kernels`) that no
+API promises. Before the first exact forward, the runner pushes the same tokens through
+the model's own shapes grouped in several ways: one prefill, a chunk that crosses a key
+chunk boundary, single-token steps, and a batch beside another sequence. Every token's
+logits and KV must agree bit for bit; otherwise exact mode is refused.
+
+The check runs on the model's first two layers (same kernels and shapes, a fraction of the
+time) and is cached per process for each platform, shape and thread count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from decoder.config import ModelConfig, RunnerConfig
+from decoder.weights import ModelWeights
+
+_RESULTS: dict[tuple, str | None] = {}
+
+
+def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
+    """None when exact mode holds here, else a one-line description of the first violation."""
+    key = (config, rc.row_tile, rc.key_chunk, rc.query_block, torch.get_num_threads(),
+           torch.__version__, torch.backends.cpu.get_cpu_capability())
+    if key not in _RESULTS:
+        _RESULTS[key] = _run_check(config, weights, rc)
+    return _RESULTS[key]
+
+
+def _run_check(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
+    from decoder.runner import ModelRunner, SeqInput
+
+    layers = min(2, config.num_layers)
+    runner = ModelRunner(replace(config, num_layers=layers), weights.truncated(layers),
+                         replace(rc, self_check=False))
+    g = torch.Generator().manual_seed(20260517)
+    total = rc.key_chunk + 44
+    tokens = torch.randint(0, config.vocab_size, (total,), generator=g)
+    other = torch.randint(0, config.vocab_size, (37,), generator=g)
+
+    whole = runner.new_cache()
+    reference = runner.forward([SeqInput.extend(whole, tokens, "all")])[0]
+
+    pieces = runner.new_cache()
+    a = rc.key_chunk - 6  # the 9-token chunk below crosses the key-chunk boundary
+    got = [runner.forward([SeqInput.extend(pieces, tokens[s:e], "all")])[0]
+           for s, e in [(0, a), (a, a + 9), (a + 9, a + 10), (a + 10, a + 11)]]
+    beside = runner.new_cache()
+    batched = runner.forward([SeqInput.extend(beside, other, "all"),
+                              SeqInput.extend(pieces, tokens[a + 11:], "all")])
+    got.append(batched[1])
+    alone = runner.forward([SeqInput.extend(runner.new_cache(), other, "all")])[0]
+
+    grouped = torch.cat(got)
+    if not torch.equal(grouped, reference):
+        return _describe(grouped, reference, f"logits of a {total}-token prefill and of the "
+                         "same tokens fed in chunks, single steps and a batch")
+    if not torch.equal(alone, batched[0]):
+        return _describe(batched[0], alone, "logits of a sequence alone and beside another")
+    for index, (x, y) in enumerate(zip(pieces.layers, whole.layers, strict=True)):
+        for name in ("k", "v"):
+            a_kv, b_kv = getattr(x, name)[:, :total], getattr(y, name)[:, :total]
+            if not torch.equal(a_kv, b_kv):
+                return _describe(a_kv.transpose(0, 1), b_kv.transpose(0, 1),
+                                 f"layer {index} {name.upper()} of a prefill and of chunks")
+    return None
+
+
+def _describe(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    differs = (got != want).flatten(1).any(-1)
+    first = int(differs.nonzero()[0]) if differs.any() else -1
+    diff = float((got - want).abs().max())
+    return f"{what} differ (first at token {first}, max abs diff {diff:.3g})"

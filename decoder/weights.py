@@ -1,0 +1,119 @@
+"""Model weights in the layout the runner computes with (fused projections, fp32)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from decoder.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One transformer block. Linear weights are [out_features, in_features]."""
+
+    attn_norm: torch.Tensor  # [d]
+    wqkv: torch.Tensor  # [(H + 2*KVH) * D, d]: q, k, v projections stacked
+    wo: torch.Tensor  # [d, H * D]
+    mlp_norm: torch.Tensor  # [d]
+    w_gate_up: torch.Tensor  # [2 * I, d]: gate and up projections stacked
+    w_down: torch.Tensor  # [d, I]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    """All weights of a Llama-family model."""
+
+    embed: torch.Tensor  # [V, d]
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor  # [d]
+    lm_head: torch.Tensor  # [V, d]; the same tensor as `embed` when embeddings are tied
+
+    def truncated(self, num_layers: int) -> ModelWeights:
+        """The same model with only its first `num_layers` blocks (shares storage)."""
+        return replace(self, layers=self.layers[:num_layers])
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm,
+                        layer.w_gate_up, layer.w_down]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weights_from_hf_state(
+    config: ModelConfig, get: Callable[[str], torch.Tensor]
+) -> ModelWeights:
+    """Build weights from Hugging Face Llama parameter names; `get(name)` returns a tensor.
+
+    Raises KeyError naming the first missing parameter.
+    """
+
+    def f32(name: str) -> torch.Tensor:
+        return get(name).to(torch.float32)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(
+            LayerWeights(
+                attn_norm=f32(p + "input_layernorm.weight").contiguous(),
+                wqkv=torch.cat([f32(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                wo=f32(p + "self_attn.o_proj.weight").contiguous(),
+                mlp_norm=f32(p + "post_attention_layernorm.weight").contiguous(),
+                w_gate_up=torch.cat([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")]),
+                w_down=f32(p + "mlp.down_proj.weight").contiguous(),
+            )
+        )
+    embed = f32("model.embed_tokens.weight").contiguous()
+    lm_head = embed if config.tie_word_embeddings else f32("lm_head.weight").contiguous()
+    _check_shapes(config, embed, layers, lm_head)
+    return ModelWeights(embed=embed, layers=tuple(layers),
+                        final_norm=f32("model.norm.weight").contiguous(), lm_head=lm_head)
+
+
+def _check_shapes(config: ModelConfig, embed, layers, lm_head) -> None:
+    c = config
+    expected = {
+        "embed": ((c.vocab_size, c.hidden_size), embed.shape),
+        "lm_head": ((c.vocab_size, c.hidden_size), lm_head.shape),
+        "wqkv": (((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+                 layers[0].wqkv.shape),
+        "w_gate_up": ((2 * c.intermediate_size, c.hidden_size), layers[0].w_gate_up.shape),
+        "w_down": ((c.hidden_size, c.intermediate_size), layers[0].w_down.shape),
+    }
+    for name, (want, got) in expected.items():
+        if tuple(got) != want:
+            raise ValueError(f"weight {name} has shape {tuple(got)}, config implies {want}")
+
+
+def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> ModelWeights:
+    """Random weights for a config: for tests and self-checks on tiny models."""
+    g = torch.Generator().manual_seed(seed)
+    c = config
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm() -> torch.Tensor:
+        return 1.0 + rnd(c.hidden_size)
+
+    layers = tuple(
+        LayerWeights(
+            attn_norm=norm(),
+            wqkv=rnd((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+            wo=rnd(c.hidden_size, c.num_heads * c.head_dim),
+            mlp_norm=norm(),
+            w_gate_up=rnd(2 * c.intermediate_size, c.hidden_size),
+            w_down=rnd(c.hidden_size, c.intermediate_size),
+        )
+        for _ in range(c.num_layers)
+    )
+    embed = rnd(c.vocab_size, c.hidden_size) * 20
+    lm_head = embed if c.tie_word_embeddings else rnd(c.vocab_size, c.hidden_size)
+    return ModelWeights(embed=embed, layers=layers, final_norm=norm(), lm_head=lm_head)
