@@ -70,10 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
-    if ns.prompt_file is not None:
-        prompt = _read_prompt_file(ns.prompt_file)
-    else:
-        prompt = ns.prompt
+    prompt = ns.prompt if ns.prompt_file is None else _read_prompt_file(ns.prompt_file)
     if not prompt:
         raise UsageError("the prompt is empty")
     if ns.max_new_tokens < 1:

@@ -73,7 +73,9 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict of a Llama-family model."""
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r}: expected a Llama-family model")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: expected a Llama-family model"
+            )
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ValueError("models with attention or MLP biases are not supported")
         if hf.get("hidden_act", "silu") != "silu":

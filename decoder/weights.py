@@ -66,7 +66,7 @@ def weights_from_hf_state(
                 wqkv=torch.cat([f32(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 wo=f32(p + "self_attn.o_proj.weight").contiguous(),
                 mlp_norm=f32(p + "post_attention_layernorm.weight").contiguous(),
-                w_gate_up=torch.cat([f32(p + "mlp.gate_proj.weight"), f32(p + "mlp.up_proj.weight")]),
+                w_gate_up=torch.cat([f32(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
                 w_down=f32(p + "mlp.down_proj.weight").contiguous(),
             )
         )

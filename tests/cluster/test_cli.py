@@ -1,0 +1,95 @@
+"""The `vericache` command line: JSON output and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_runner):
+    from decoder.generate import generate_full
+
+    proc = run_cli("generate", "--prompt", "def square(x):", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"mode", "tokens", "text", "stats"}
+    assert out["mode"] == "full"
+    expected = generate_full(builtin_runner, [builtin_model.encode("def square(x):")],
+                             max_new_tokens=12, eos_token_ids=builtin_model.eos_token_ids)[0]
+    assert out["tokens"] == expected.tokens
+    assert out["text"] == builtin_model.decode(expected.tokens)
+    stats = out["stats"]
+    assert stats["generated_tokens"] == len(out["tokens"]) <= 12
+    assert stats["prompt_tokens"] == len(builtin_model.encode("def square(x):"))
+    assert stats["stop_reason"] in ("eos", "length")
+    assert stats["tokens_per_s"] > 0
+
+
+def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_model):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Say hi.", encoding="utf-8")
+    proc = run_cli("generate", "--prompt-file", str(prompt), "--chat", "--max-new-tokens", "40",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["stats"]["stop_reason"] == "eos"
+    assert out["tokens"][-1] in builtin_model.eos_token_ids
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate"], "one of the arguments --prompt --prompt-file is required"),
+        (["generate", "--prompt-file", "/nope"], "--prompt-file /nope: no such file"),
+        (["generate", "--prompt", "x", "--mode", "bogus"],
+         "--mode 'bogus' is unknown; choose from: full"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 1"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "ten"], "invalid int value: 'ten'"),
+        (["generate", "--prompt", "x", "--threads", "0"], "--threads must be >= 1"),
+        (["generate", "--prompt", ""], "the prompt is empty"),
+        (["generate", "--prompt", "x", "--prompt-file", "f"], "not allowed with argument"),
+        (["generate", "--prompt", "x", "--model", "/nope"], "--model /nope: not a directory"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vericache: error: "), err
+    assert message in err
+
+
+def test_bad_prompt_files(tmp_path, capsys):
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\xff\xfe\x00\x80")
+    assert main(["generate", "--prompt-file", str(binary)]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+    assert main(["generate", "--prompt-file", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_context_is_refused(capsys):
+    assert main(["generate", "--prompt", "word " * 9000, "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context of 8192" in err and err.count("\n") == 1
+
+
+def test_errors_from_the_installed_script_have_no_traceback():
+    script = str(Path(sys.executable).parent / "vericache")
+    proc = subprocess.run([script, "generate", "--prompt", "x", "--max-new-tokens", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "vericache: error: --max-new-tokens must be >= 1, got 0"
