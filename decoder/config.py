@@ -122,9 +122,12 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 class RunnerConfig:
     """Knobs of the model runner."""
 
-    row_tile: int = 16
-    """Exact mode pads every matrix product to a multiple of this many rows; a row's result
-    never depends on the other rows of its tile (checked at start-up)."""
+    row_tile: int = 1
+    """Exact mode pads the rows of linear layers to a multiple of this; 1 where the packed
+    (oneDNN) kernel is row-invariant down to one row, 16 for plain MKL (self-checked)."""
+    attention_row_tile: int = 8
+    """Exact mode pads attention query rows to a multiple of this (MKL's batched products
+    were row-invariant from 4 rows on the development machines; self-checked)."""
     key_chunk: int = 256
     """Exact mode splits attention keys into chunks of this many absolute positions."""
     query_block: int = 256
@@ -135,8 +138,9 @@ class RunnerConfig:
     """Run the exact-mode self-check before the first exact forward."""
 
     def __post_init__(self) -> None:
-        if self.row_tile < 16 or self.row_tile % 16:
-            raise ValueError(f"RunnerConfig.row_tile must be a multiple of 16, got {self.row_tile}")
+        for name in ("row_tile", "attention_row_tile"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunnerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.key_chunk < 32 or self.key_chunk & (self.key_chunk - 1):
             raise ValueError(
                 f"RunnerConfig.key_chunk must be a power of two >= 32, got {self.key_chunk}"

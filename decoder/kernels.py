@@ -4,8 +4,9 @@ Exact-mode contract (DESIGN.md section 5): the result for one token is a determi
 function of that token's inputs and the keys at positions <= its own, whatever else is
 computed alongside. It rests on three facts that `decoder.selfcheck` proves at start-up:
 
-- a matrix product's row does not depend on the other rows once the product has at least
-  `row_tile` rows (the caller pads rows to a multiple of the tile);
+- a matrix product's row does not depend on the other rows once the product is padded to a
+  multiple of its row tile (`row_tile` for the linear layers, `attention_row_tile` for
+  attention);
 - attention scores and probabilities are computed per fixed key chunk of `key_chunk`
   absolute positions (masked keys contribute exact zeros; they must hold finite values);
 - the per-chunk partial results are merged in position order by a sequential prefix sum,
@@ -21,6 +22,33 @@ import torch
 import torch.nn.functional as F
 
 from decoder.config import RopeConfig, ceil_to
+
+
+class Linear:
+    """y = x @ W^T with the weight packed once for the platform's matrix kernels.
+
+    With oneDNN (torch's mkldnn backend) the weight is reordered once into the kernel's
+    blocked layout: no per-call packing, and on the development machines every row's
+    result was independent of the number of rows, down to a single row (the self-check
+    proves it wherever the runner starts). Without oneDNN it falls back to `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.packed = _use_onednn()
+        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                       if self.packed else weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, in] -> [N, out]."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def _use_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_reorder_linear_weight")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

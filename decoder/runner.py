@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
 from decoder.errors import ExactModeUnsupported
 from decoder.kernels import (
+    Linear,
     RopeTable,
     apply_rope,
     exact_attention,
@@ -68,6 +68,8 @@ class ModelRunner:
             torch.set_num_threads(self.rc.threads)
         self.rope = RopeTable(config.rope, config.head_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.layers = [_PackedLayer(w) for w in weights.layers]
+        self.lm_head = Linear(weights.lm_head)
         self._exact_checked = not self.rc.self_check
 
     def new_cache(self, capacity: int = 0) -> KVCache:
@@ -96,7 +98,7 @@ class ModelRunner:
 
         x = self.weights.embed[token_ids]  # [rows, d]
         cos, sin = self.rope.lookup(positions)  # [rows, D] each
-        for index, layer in enumerate(self.weights.layers):
+        for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, x, cos, sin, seqs, spans, exact)
             x = x + self._mlp(layer, x)
         return self._logits(x, seqs, spans, exact)
@@ -116,10 +118,10 @@ class ModelRunner:
             )
         self._exact_checked = True
 
-    def _attention(self, index: int, w: LayerWeights, x, cos, sin, seqs, spans, exact: bool):
+    def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, exact: bool):
         c = self.config
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-        qkv = F.linear(h, w.wqkv)  # [rows, (H + 2*KVH) * D]
+        qkv = w.wqkv(h)  # [rows, (H + 2*KVH) * D]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim)
         k = qkv[:, q_dim:q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim)
@@ -134,19 +136,20 @@ class ModelRunner:
             layer_kv.append(k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
                             seq.positions)
             out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, exact)
-        return F.linear(out.view(out.shape[0], -1), w.wo)
+        return w.wo(out.view(out.shape[0], -1))
 
     def _attend(self, layer_kv, q, q_pos, exact: bool):
         if exact:
             return exact_attention(q, layer_kv.k, layer_kv.v, q_pos,
-                                   key_chunk=self.rc.key_chunk, row_tile=self.rc.row_tile,
+                                   key_chunk=self.rc.key_chunk,
+                                   row_tile=self.rc.attention_row_tile,
                                    query_block=self.rc.query_block)
         keys, values, k_pos = layer_kv.live()
         return fast_attention(q, keys, values, q_pos, k_pos, self.scale)
 
-    def _mlp(self, w: LayerWeights, x):
+    def _mlp(self, w: _PackedLayer, x):
         h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
-        return F.linear(swiglu(F.linear(h, w.w_gate_up)), w.w_down)
+        return w.w_down(swiglu(w.w_gate_up(h)))
 
     def _logits(self, x, seqs, spans, exact: bool) -> list[torch.Tensor | None]:
         picks = [_picked_rows(seq.logits, start, end)
@@ -158,7 +161,7 @@ class ModelRunner:
         selected = x.new_zeros(padded, x.shape[1])
         selected[: rows.numel()] = x[rows]
         h = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
-        logits = F.linear(h, self.weights.lm_head)  # [padded, V]
+        logits = self.lm_head(h)  # [padded, V]
         out: list[torch.Tensor | None] = []
         offset = 0
         for seq, pick in zip(seqs, picks, strict=True):
@@ -188,6 +191,15 @@ class ModelRunner:
             spans.append((offset, offset + t))
             offset += t
         return spans
+
+
+class _PackedLayer:
+    """A block's weights with its linear layers packed for the matrix kernels."""
+
+    def __init__(self, w: LayerWeights) -> None:
+        self.attn_norm, self.mlp_norm = w.attn_norm, w.mlp_norm
+        self.wqkv, self.wo = Linear(w.wqkv), Linear(w.wo)
+        self.w_gate_up, self.w_down = Linear(w.w_gate_up), Linear(w.w_down)
 
 
 def _picked_rows(which: Logits, start: int, end: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ _RESULTS: dict[tuple, str | None] = {}
 
 def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
     """None when exact mode holds here, else a one-line description of the first violation."""
-    key = (config, rc.row_tile, rc.key_chunk, rc.query_block, torch.get_num_threads(),
+    key = (config, rc.row_tile, rc.attention_row_tile, rc.key_chunk, rc.query_block, torch.get_num_threads(),
            torch.__version__, torch.backends.cpu.get_cpu_capability())
     if key not in _RESULTS:
         _RESULTS[key] = _run_check(config, weights, rc)
