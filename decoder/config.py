@@ -125,7 +125,7 @@ class RunnerConfig:
     row_tile: int = 1
     """Exact mode pads the rows of linear layers to a multiple of this; 1 where the packed
     (oneDNN) kernel is row-invariant down to one row, 16 for plain MKL (self-checked)."""
-    attention_row_tile: int = 8
+    attention_row_tile: int = 4
     """Exact mode pads attention query rows to a multiple of this (MKL's batched products
     were row-invariant from 4 rows on the development machines; self-checked)."""
     key_chunk: int = 256

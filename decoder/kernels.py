@@ -17,6 +17,7 @@ computed alongside. It rests on three facts that `decoder.selfcheck` proves at s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -121,15 +122,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+@dataclass(frozen=True, slots=True)
+class _QueryBlock:
+    start: int
+    end: int
+    rows: int  # real query rows: tokens * group
+    row_pos: torch.Tensor  # [padded] absolute position of each row (padding rows: 0)
+    visible: torch.Tensor  # [padded, n_keys] bool: key position <= row position
+    last: torch.Tensor  # [padded] index of each row's own last key chunk
+    n_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """Index work of exact attention for one sequence's queries, shared by every layer."""
+
+    blocks: tuple[_QueryBlock, ...]
+    key_chunk: int
+
+    @classmethod
+    def build(cls, q_pos: torch.Tensor, group: int, *, key_chunk: int, row_tile: int,
+              query_block: int) -> AttentionPlan:
+        """q_pos: [T] absolute positions of the queries; `group` query heads per kv head."""
+        blocks = []
+        for start in range(0, q_pos.shape[0], query_block):
+            end = min(q_pos.shape[0], start + query_block)
+            rows = (end - start) * group
+            row_pos = torch.zeros(ceil_to(rows, row_tile), dtype=torch.long)
+            row_pos[:rows] = q_pos[start:end].repeat_interleave(group)
+            n_chunks = int(q_pos[start:end].max()) // key_chunk + 1
+            visible = torch.arange(n_chunks * key_chunk)[None, :] <= row_pos[:, None]
+            blocks.append(_QueryBlock(start, end, rows, row_pos, visible,
+                                      row_pos // key_chunk, n_chunks))
+        return cls(tuple(blocks), key_chunk)
+
+
 def exact_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    q_pos: torch.Tensor,
-    *,
-    key_chunk: int,
-    row_tile: int,
-    query_block: int,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
     """Causal attention whose per-query result is independent of grouping and future keys.
 
@@ -137,35 +166,30 @@ def exact_attention(
     keys, values: [KVH, capacity, D] where slot j holds absolute position j (a dense cache
         from position 0); capacity is a multiple of key_chunk and every slot holds finite
         values (unused slots are masked, never read as NaN).
-    q_pos: [T] int64 absolute positions; every key at a position <= q_pos[t] must be present.
+    plan: built from the queries' positions; every key at a position <= a query's own
+        position must be present.
     Returns [T, H, D].
     """
     out = torch.empty_like(q)
-    for start in range(0, q.shape[0], query_block):
-        end = min(q.shape[0], start + query_block)
-        out[start:end] = _exact_attention_block(
-            q[start:end], keys, values, q_pos[start:end], key_chunk, row_tile
+    for block in plan.blocks:
+        out[block.start:block.end] = _exact_attention_block(
+            q[block.start:block.end], keys, values, block, plan.key_chunk
         )
     return out
 
 
-def _exact_attention_block(q, keys, values, q_pos, key_chunk: int, row_tile: int):
+def _exact_attention_block(q, keys, values, block: _QueryBlock, key_chunk: int):
     t, heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    rows = t * group
-    padded = ceil_to(rows, row_tile)
+    rows, padded, n_chunks = block.rows, block.row_pos.shape[0], block.n_chunks
+    n_keys = n_chunks * key_chunk
     # qr: [KVH, padded, D]; row r is token r // group, query head (r % group) of the kv head.
     qr = q.new_zeros(kv_heads, padded, dim)
     qr[:, :rows] = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, rows, dim)
-    row_pos = torch.zeros(padded, dtype=torch.long)  # padding rows attend to position 0 only
-    row_pos[:rows] = q_pos.repeat_interleave(group)
-    n_chunks = int(q_pos.max()) // key_chunk + 1
-    n_keys = n_chunks * key_chunk
 
     scores = torch.matmul(qr, keys[:, :n_keys].transpose(1, 2))  # [KVH, padded, n_keys]
-    visible = torch.arange(n_keys)[None, :] <= row_pos[:, None]  # [padded, n_keys]
-    scores.masked_fill_(~visible, float("-inf"))
+    scores.masked_fill_(~block.visible, float("-inf"))
     scores = scores.view(kv_heads, padded, n_chunks, key_chunk)
     chunk_max = scores.amax(-1)  # [KVH, padded, n_chunks]
     safe_max = chunk_max.masked_fill(chunk_max == float("-inf"), 0.0)
@@ -180,9 +204,8 @@ def _exact_attention_block(q, keys, values, q_pos, key_chunk: int, row_tile: int
     weight = torch.exp(chunk_max - row_max)  # [KVH, padded, n_chunks]
     numer = torch.cumsum(chunk_out * weight.transpose(1, 2).unsqueeze(-1), dim=1)
     denom = torch.cumsum(chunk_sum * weight, dim=-1)
-    last = row_pos // key_chunk  # [padded]
     row = torch.arange(padded)
-    merged = numer[:, last, row] / denom[:, row, last].unsqueeze(-1)  # [KVH, padded, D]
+    merged = numer[:, block.last, row] / denom[:, row, block.last].unsqueeze(-1)  # [KVH, padded, D]
     return merged[:, :rows].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
 
 

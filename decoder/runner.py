@@ -23,6 +23,7 @@ import torch
 from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
 from decoder.errors import ExactModeUnsupported
 from decoder.kernels import (
+    AttentionPlan,
     Linear,
     RopeTable,
     apply_rope,
@@ -98,8 +99,9 @@ class ModelRunner:
 
         x = self.weights.embed[token_ids]  # [rows, d]
         cos, sin = self.rope.lookup(positions)  # [rows, D] each
+        plans = [self._plan(s) for s in seqs] if exact else [None] * len(seqs)
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, x, cos, sin, seqs, spans, exact)
+            x = x + self._attention(index, layer, x, cos, sin, seqs, spans, plans)
             x = x + self._mlp(layer, x)
         return self._logits(x, seqs, spans, exact)
 
@@ -118,7 +120,13 @@ class ModelRunner:
             )
         self._exact_checked = True
 
-    def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, exact: bool):
+    def _plan(self, seq: SeqInput) -> AttentionPlan:
+        return AttentionPlan.build(seq.positions, self.config.group_size,
+                                   key_chunk=self.rc.key_chunk,
+                                   row_tile=self.rc.attention_row_tile,
+                                   query_block=self.rc.query_block)
+
+    def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, plans):
         c = self.config
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
         qkv = w.wqkv(h)  # [rows, (H + 2*KVH) * D]
@@ -128,22 +136,20 @@ class ModelRunner:
         v = qkv[:, q_dim + kv_dim:].view(-1, c.num_kv_heads, c.head_dim)
         q = apply_rope(q, cos, sin)  # [rows, H, D]
         k = apply_rope(k, cos, sin)  # [rows, KVH, D]
+        exact = plans[0] is not None
         if exact:
             q = q * self.scale
         out = torch.zeros_like(q)
-        for seq, (start, end) in zip(seqs, spans, strict=True):
+        for seq, (start, end), plan in zip(seqs, spans, plans, strict=True):
             layer_kv = seq.cache.layers[index]
             layer_kv.append(k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
                             seq.positions)
-            out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, exact)
+            out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, plan)
         return w.wo(out.view(out.shape[0], -1))
 
-    def _attend(self, layer_kv, q, q_pos, exact: bool):
-        if exact:
-            return exact_attention(q, layer_kv.k, layer_kv.v, q_pos,
-                                   key_chunk=self.rc.key_chunk,
-                                   row_tile=self.rc.attention_row_tile,
-                                   query_block=self.rc.query_block)
+    def _attend(self, layer_kv, q, q_pos, plan: AttentionPlan | None):
+        if plan is not None:
+            return exact_attention(q, layer_kv.k, layer_kv.v, plan)
         keys, values, k_pos = layer_kv.live()
         return fast_attention(q, keys, values, q_pos, k_pos, self.scale)
 

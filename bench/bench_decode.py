@@ -1,0 +1,154 @@
+"""Decode speed: our exact mode, our fast mode and `transformers` `generate`, side by side.
+
+For each context length the prompt (a real Python source file, tokenized) is prefilled
+once per engine; each batch row then continues from a copy of that prefix with its own
+next token, so rows decode different sequences at the same context. Timings are medians
+over repeats of a fixed number of decode steps, and the table reports ratios to
+`transformers` measured in the same run. `transformers` runs its own `generate` on a
+prefilled `DynamicCache` (so its timed work is decode steps only).
+
+Usage: python bench/bench_decode.py [--contexts 512 2048 8192] [--batches 1 8]
+       [--steps 8] [--repeats 3] [--out bench/results/decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decoder.kv_cache import KVCache  # noqa: E402
+from decoder.loader import load_model  # noqa: E402
+from decoder.runner import ModelRunner, SeqInput  # noqa: E402
+
+
+def long_code_tokens(model, n: int) -> list[int]:
+    """n tokens of real Python source (the standard library's argparse, repeated if short)."""
+    import argparse as source_module
+
+    ids = model.encode(inspect.getsource(source_module))
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def clone_cache(runner: ModelRunner, cache: KVCache, extra: int) -> KVCache:
+    copy = runner.new_cache(capacity=len(cache) + extra)
+    for dst, src in zip(copy.layers, cache.layers, strict=True):
+        n = src.length
+        dst.k[:, :n], dst.v[:, :n] = src.k[:, :n], src.v[:, :n]
+        dst.positions[:n] = src.positions[:n]
+        dst.length = n
+    return copy
+
+
+def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mode: str) -> float:
+    """Median seconds per decode step for `batch` rows continuing `prefix`."""
+    samples = []
+    for _ in range(repeats):
+        caches = [clone_cache(runner, prefix, steps + 1) for _ in range(batch)]
+        tokens = [[100 + row] for row in range(batch)]
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = runner.forward([SeqInput.extend(c, t) for c, t in zip(caches, tokens,
+                                                                            strict=True)], mode)
+            tokens = [[int(lg[-1].argmax())] for lg in logits]
+        samples.append((time.perf_counter() - start) / steps)
+    return statistics.median(samples)
+
+
+def time_transformers(hf, prompt: list[int], batch: int, steps: int, repeats: int) -> float:
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(batch)
+    ids = torch.tensor([prompt + [100 + row] for row in range(batch)])
+    samples = []
+    for _ in range(repeats):
+        cache.crop(len(prompt) - cache.get_seq_length())  # roll back to the prompt
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                    max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                    pad_token_id=0)
+        samples.append((time.perf_counter() - start) / steps)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
+    args = p.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    model = load_model()
+    runner = ModelRunner(model.config, model.weights)
+    runner.ensure_exact_supported()
+    hf = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()
+    rows = []
+    for context in args.contexts:
+        prompt = long_code_tokens(model, context)
+        prefix = runner.new_cache(capacity=context)
+        t0 = time.perf_counter()
+        runner.forward([SeqInput.extend(prefix, prompt, "none")])
+        print(f"context {context}: exact prefill {time.perf_counter() - t0:.1f}s", flush=True)
+        for batch in args.batches:
+            step = {
+                "exact": time_ours(runner, prefix, batch, args.steps, args.repeats, "exact"),
+                "fast": time_ours(runner, prefix, batch, args.steps, args.repeats, "fast"),
+                "transformers": time_transformers(hf, prompt, batch, args.steps, args.repeats),
+            }
+            row = {"context": context, "batch": batch,
+                   **{f"{k}_ms_per_step": round(v * 1e3, 2) for k, v in step.items()},
+                   **{f"{k}_ms_per_token": round(v * 1e3 / batch, 2) for k, v in step.items()},
+                   "exact_vs_transformers": round(step["transformers"] / step["exact"], 3),
+                   "fast_vs_transformers": round(step["transformers"] / step["fast"], 3)}
+            rows.append(row)
+            print(_format_row(row), flush=True)
+        del prefix
+
+    print("\n" + _table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": model.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(), "steps": args.steps,
+            "repeats": args.repeats}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+def _format_row(row: dict) -> str:
+    return (f"ctx {row['context']:>5} batch {row['batch']}: exact {row['exact_ms_per_step']} ms, "
+            f"fast {row['fast_ms_per_step']} ms, transformers "
+            f"{row['transformers_ms_per_step']} ms per step")
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("| context | batch | exact ms/tok | fast ms/tok | transformers ms/tok "
+            "| exact speed vs transformers | fast speed vs transformers |")
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        lines.append(
+            f"| {r['context']} | {r['batch']} | {r['exact_ms_per_token']} | "
+            f"{r['fast_ms_per_token']} | {r['transformers_ms_per_token']} | "
+            f"{r['exact_vs_transformers']}x | {r['fast_vs_transformers']}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
