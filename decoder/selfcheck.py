@@ -24,8 +24,8 @@ _RESULTS: dict[tuple, str | None] = {}
 
 def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
     """None when exact mode holds here, else a one-line description of the first violation."""
-    key = (config, rc.row_tile, rc.attention_row_tile, rc.key_chunk, rc.query_block, torch.get_num_threads(),
-           torch.__version__, torch.backends.cpu.get_cpu_capability())
+    key = (config, replace(rc, self_check=False), torch.get_num_threads(), torch.__version__,
+           torch.backends.cpu.get_cpu_capability())
     if key not in _RESULTS:
         _RESULTS[key] = _run_check(config, weights, rc)
     return _RESULTS[key]
