@@ -53,6 +53,7 @@ def test_greedy_continuations_match_transformers(builtin_model, builtin_runner, 
             f"prompt {prompt[:8]}...: step {step} differs (ours {a}, transformers {b}) "
             f"without a near-tie: logit gap {gap:.2e}"
         )
+    print(f"{exact}/{len(PROMPTS)} prompts matched transformers exactly")
     assert exact >= 7, f"only {exact} of {len(PROMPTS)} prompts matched transformers exactly"
 
 
