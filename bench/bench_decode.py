@@ -41,21 +41,11 @@ def long_code_tokens(model, n: int) -> list[int]:
     return ids[:n]
 
 
-def clone_cache(runner: ModelRunner, cache: KVCache, extra: int) -> KVCache:
-    copy = runner.new_cache(capacity=len(cache) + extra)
-    for dst, src in zip(copy.layers, cache.layers, strict=True):
-        n = src.length
-        dst.k[:, :n], dst.v[:, :n] = src.k[:, :n], src.v[:, :n]
-        dst.positions[:n] = src.positions[:n]
-        dst.length = n
-    return copy
-
-
 def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mode: str) -> float:
     """Median seconds per decode step for `batch` rows continuing `prefix`."""
     samples = []
     for _ in range(repeats):
-        caches = [clone_cache(runner, prefix, steps + 1) for _ in range(batch)]
+        caches = [prefix.clone(extra_capacity=steps + 1) for _ in range(batch)]
         tokens = [[100 + row] for row in range(batch)]
         start = time.perf_counter()
         for _ in range(steps):

@@ -35,7 +35,6 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.out_features, self.in_features = weight.shape
         self.packed = _use_onednn()
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
                        if self.packed else weight)

@@ -57,6 +57,16 @@ class LayerKV:
         if length == 0:
             self.dense = True
 
+    def clone(self, extra_capacity: int = 0) -> LayerKV:
+        """An independent copy of the live slots, with room for `extra_capacity` more."""
+        kv_heads, _, dim = self.k.shape
+        copy = LayerKV(kv_heads, dim, self.granule, self.length + extra_capacity)
+        copy.k[:, : self.length] = self.k[:, : self.length]
+        copy.v[:, : self.length] = self.v[:, : self.length]
+        copy.positions[: self.length] = self.positions[: self.length]
+        copy.length, copy.dense = self.length, self.dense
+        return copy
+
     def live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k, v, positions) of the live slots: [KVH, n, D], [KVH, n, D], [n] (views)."""
         n = self.length
@@ -101,6 +111,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    def clone(self, extra_capacity: int = 0) -> KVCache:
+        """An independent copy (for example, one prefix continued by several requests)."""
+        copy = KVCache.__new__(KVCache)
+        copy.layers = [layer.clone(extra_capacity) for layer in self.layers]
+        return copy
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:

@@ -166,3 +166,13 @@ def test_malformed_input_is_a_clear_error(tokens, positions, message):
                    torch.tensor(positions, dtype=torch.long), runner.new_cache())
     with pytest.raises(ValueError, match=message):
         runner.forward([seq])
+
+
+def test_cloned_cache_continues_exactly_and_independently(tiny):
+    runner, tokens, (step_logits, step_cache) = tiny
+    _, prefix = run_pieces(runner, tokens[:60], [0, 60])
+    clone = prefix.clone(extra_capacity=T)
+    logits = runner.forward([SeqInput.extend(clone, tokens[60:], "all")])[0]
+    assert torch.equal(logits, step_logits[60:])
+    assert len(prefix) == 60 and len(clone) == T
+    assert_bitwise(step_logits, clone, step_logits, step_cache, T)
