@@ -11,3 +11,7 @@ class ModelLoadError(DecoderError, ValueError):
 
 class ExactModeUnsupported(DecoderError, RuntimeError):
     """The platform's kernels do not give grouping-independent results (see selfcheck)."""
+
+
+class CompressorSpecError(DecoderError, ValueError):
+    """A compressor spec string that names an unknown method or a bad parameter."""

@@ -11,6 +11,7 @@ import torch
 
 from decoder.config import Mode
 from decoder.runner import ModelRunner, SeqInput
+from decoder.sampling import Sampler, SamplingParams
 
 StopReason = Literal["eos", "length"]
 
@@ -24,11 +25,6 @@ class GenerationResult:
     stats: dict[str, float | int] = field(default_factory=dict)
 
 
-def greedy(logits: torch.Tensor) -> int:
-    """logits: [V] -> the arg-max token (lowest id on ties)."""
-    return int(torch.argmax(logits))
-
-
 def generate_full(
     runner: ModelRunner,
     prompts: Sequence[Sequence[int]],
@@ -36,11 +32,14 @@ def generate_full(
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
     mode: Mode = "exact",
+    sampling: SamplingParams | None = None,
 ) -> list[GenerationResult]:
-    """Greedy full-KV decoding of a batch of prompts: prefill, then one token per step.
+    """Full-KV decoding of a batch of prompts: prefill, then one token per step.
 
-    Each request stops at its first EOS token (which is included) or after
-    `max_new_tokens` tokens. In exact mode a request's tokens do not depend on the batch.
+    Tokens are chosen greedily, or sampled with `sampling` (the same parameters and seed
+    for every prompt; the noise depends only on the seed and the output position). Each
+    request stops at its first EOS token (which is included) or after `max_new_tokens`
+    tokens. In exact mode a request's tokens do not depend on the batch.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -49,12 +48,13 @@ def generate_full(
     if mode == "exact":
         runner.ensure_exact_supported()  # once per process; kept out of the timings below
     eos = set(eos_token_ids)
+    sampler = Sampler(sampling or SamplingParams())
     caches = [runner.new_cache(capacity=len(p) + max_new_tokens) for p in prompts]
     t0 = time.perf_counter()
     logits = runner.forward([SeqInput.extend(c, p) for c, p in zip(caches, prompts, strict=True)],
                             mode)
     prefill_s = time.perf_counter() - t0
-    outputs: list[list[int]] = [[greedy(lg[-1])] for lg in logits]
+    outputs: list[list[int]] = [[sampler.choose(lg[-1], 0)] for lg in logits]
     live = [i for i, out in enumerate(outputs) if not _finished(out, eos, max_new_tokens)]
     steps = 0
     t1 = time.perf_counter()
@@ -62,11 +62,15 @@ def generate_full(
         logits = runner.forward([SeqInput.extend(caches[i], outputs[i][-1:]) for i in live], mode)
         steps += 1
         for i, lg in zip(live, logits, strict=True):
-            outputs[i].append(greedy(lg[-1]))
+            outputs[i].append(sampler.choose(lg[-1], len(outputs[i])))
         live = [i for i in live if not _finished(outputs[i], eos, max_new_tokens)]
     decode_s = time.perf_counter() - t1
-    return [_result(out, eos, prompt, prefill_s, decode_s, steps)
-            for out, prompt in zip(outputs, prompts, strict=True)]
+    results = [_result(out, eos, prompt, prefill_s, decode_s, steps)
+               for out, prompt in zip(outputs, prompts, strict=True)]
+    if not sampler.params.greedy:
+        for r in results:
+            r.stats["seed"] = sampler.params.seed
+    return results
 
 
 def _finished(out: list[int], eos: set[int], max_new_tokens: int) -> bool:

@@ -218,10 +218,13 @@ def fast_attention(
 ) -> torch.Tensor:
     """Causal attention over keys at arbitrary positions, with torch's fused kernel.
 
-    q: [T, H, D] rotated, not scaled; keys/values: [KVH, N, D]; q_pos: [T]; k_pos: [N].
+    q: [T, H, D] rotated, not scaled; keys/values: [KVH, N, D]; q_pos: [T]; k_pos: [N], or
+    [KVH, N] when each kv head keeps its own positions (token-dropping compressors).
     Returns [T, H, D]. No exactness guarantee: for drafting.
     """
-    mask = k_pos[None, :] <= q_pos[:, None]  # [T, N]
+    mask = k_pos[..., None, :] <= q_pos[:, None]  # [T, N] or [KVH, T, N]
+    if mask.dim() == 3:
+        mask = mask.repeat_interleave(q.shape[1] // keys.shape[0], dim=0)  # [H, T, N]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
         keys.unsqueeze(0),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from decoder.config import ModelConfig, ceil_to
@@ -86,8 +88,40 @@ class LayerKV:
         self.positions = positions
 
 
+class LayerCache(Protocol):
+    """What the runner needs of one layer's cache during a forward call."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys [KVH, n, D], values [KVH, n, D], positions [n] or per head [KVH, n])."""
+        ...
+
+
+class SeqCache(Protocol):
+    """A sequence's KV as the runner consumes it: one layer at a time.
+
+    The runner calls `layer(i)` before it attends at layer i and `release(i)` right after,
+    in layer order, so an implementation may assemble a layer on demand (for example,
+    stream a remote prefix into a staging buffer) and hand its memory back on release.
+    """
+
+    @property
+    def next_position(self) -> int: ...
+
+    @property
+    def dense(self) -> bool: ...
+
+    def layer(self, index: int) -> LayerCache: ...
+
+    def release(self, index: int) -> None: ...
+
+
 class KVCache:
-    """The KV of one sequence for every layer."""
+    """The KV of one sequence for every layer, resident in memory."""
 
     def __init__(self, config: ModelConfig, granule: int, capacity: int = 0) -> None:
         self.layers = [
@@ -111,6 +145,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    def layer(self, index: int) -> LayerKV:
+        return self.layers[index]
+
+    def release(self, index: int) -> None:
+        """Resident layers stay where they are."""
 
     def clone(self, extra_capacity: int = 0) -> KVCache:
         """An independent copy (for example, one prefix continued by several requests)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -32,7 +32,7 @@ from decoder.kernels import (
     rms_norm,
     swiglu,
 )
-from decoder.kv_cache import KVCache
+from decoder.kv_cache import KVCache, SeqCache
 from decoder.weights import LayerWeights, ModelWeights
 
 Logits = Literal["all", "last", "none"]
@@ -44,17 +44,22 @@ class SeqInput:
 
     tokens: torch.Tensor  # [t] int64
     positions: torch.Tensor  # [t] int64 absolute positions, increasing, after the cache's
-    cache: KVCache
+    cache: SeqCache
     logits: Logits = "last"
     """Which of the new tokens need logits."""
+    observe: int = 0
+    """Capture the rotated (unscaled) queries of this many trailing new tokens at every layer
+    into `observed` (what compressors such as SnapKV score the prefix with)."""
+    observed: list[torch.Tensor] = field(default_factory=list)
+    """Filled by `forward` when `observe > 0`: one [observe, H, D] tensor per layer."""
 
     @classmethod
-    def extend(cls, cache: KVCache, tokens: Sequence[int] | torch.Tensor,
-               logits: Logits = "last") -> SeqInput:
+    def extend(cls, cache: SeqCache, tokens: Sequence[int] | torch.Tensor,
+               logits: Logits = "last", observe: int = 0) -> SeqInput:
         """Tokens that continue `cache` at the next consecutive positions."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         start = cache.next_position
-        return cls(ids, torch.arange(start, start + ids.numel()), cache, logits)
+        return cls(ids, torch.arange(start, start + ids.numel()), cache, logits, observe)
 
 
 class ModelRunner:
@@ -136,15 +141,19 @@ class ModelRunner:
         v = qkv[:, q_dim + kv_dim:].view(-1, c.num_kv_heads, c.head_dim)
         q = apply_rope(q, cos, sin)  # [rows, H, D]
         k = apply_rope(k, cos, sin)  # [rows, KVH, D]
+        for seq, (_, end) in zip(seqs, spans, strict=True):
+            if seq.observe:
+                seq.observed.append(q[max(0, end - seq.observe):end].clone())
         exact = plans[0] is not None
         if exact:
             q = q * self.scale
         out = torch.zeros_like(q)
         for seq, (start, end), plan in zip(seqs, spans, plans, strict=True):
-            layer_kv = seq.cache.layers[index]
+            layer_kv = seq.cache.layer(index)
             layer_kv.append(k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
                             seq.positions)
             out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, plan)
+            seq.cache.release(index)
         return w.wo(out.view(out.shape[0], -1))
 
     def _attend(self, layer_kv, q, q_pos, plan: AttentionPlan | None):
@@ -182,6 +191,7 @@ class ModelRunner:
             raise ValueError("each sequence in one forward call needs its own cache")
         spans, offset = [], 0
         for i, s in enumerate(seqs):
+            s.observed.clear()
             t = s.tokens.numel()
             if t == 0 or s.tokens.dim() != 1 or s.positions.shape != s.tokens.shape:
                 raise ValueError(f"seqs[{i}]: tokens and positions must be equal non-empty [t]")
