@@ -15,10 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from decoder.errors import ExactModeUnsupported, ModelLoadError
+from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 
-GENERATE_MODES = ("full",)
-"""Decoding modes of `vericache generate`; `full` is full-KV decoding (the reference)."""
+GENERATE_MODES = ("full", "lossy", "vericache")
+"""Decoding modes of `vericache generate`: `full` is full-KV decoding (the reference),
+`lossy` decodes with the compressed KV alone, `vericache` drafts with it and verifies."""
+
+DEFAULT_COMPRESSOR = "snapkv:budget=0.125"
 
 
 class UsageError(Exception):
@@ -42,6 +45,13 @@ class GenerateArgs:
     chat: bool
     json: bool
     threads: int | None
+    compressor: str = DEFAULT_COMPRESSOR
+    horizon: int | None = None
+    """Drafted tokens per verification; None: automatic."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument("--compressor", default=DEFAULT_COMPRESSOR,
+                     help="KV compressor spec for lossy/vericache, e.g. snapkv:budget=0.125, "
+                     "kivi:bits=2, snapkv:budget=0.25+kivi:bits=4 (default: %(default)s)")
+    gen.add_argument("--horizon", default="auto",
+                     help="vericache: drafted tokens per verification, 'auto' or N >= 0")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
+    gen.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
     gen.set_defaults(run=run_generate, parse=parse_generate)
 
     demo = sub.add_parser("demo", help="run the demo on the built-in model")
@@ -81,9 +100,48 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         raise UsageError(f"--threads must be >= 1, got {ns.threads}")
     if ns.model is not None and not Path(ns.model).is_dir():
         raise UsageError(f"--model {ns.model}: not a directory")
+    if ns.runner == "fast" and ns.mode != "full":
+        raise UsageError(f"--runner fast applies to --mode full only ({ns.mode} drafts with fast "
+                         "kernels and verifies with exact ones)")
+    _check_sampling(ns)
+    compressor = _parse_compressor(ns.compressor) if ns.mode != "full" else ns.compressor
     return GenerateArgs(prompt=prompt, max_new_tokens=ns.max_new_tokens, mode=ns.mode,
                         model=ns.model, runner=ns.runner, chat=ns.chat, json=ns.json,
-                        threads=ns.threads)
+                        threads=ns.threads, compressor=compressor,
+                        horizon=_parse_horizon(ns.horizon), temperature=ns.temperature,
+                        top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed)
+
+
+def _parse_compressor(spec: str) -> str:
+    from decoder.compressors import parse_compressor
+
+    try:
+        return parse_compressor(spec).spec
+    except CompressorSpecError as e:
+        raise UsageError(f"--compressor: {e}") from None
+
+
+def _parse_horizon(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UsageError(f"--horizon must be 'auto' or an integer >= 0, got {text!r}")
+    return value
+
+
+def _check_sampling(ns: argparse.Namespace) -> None:
+    if not ns.temperature >= 0:
+        raise UsageError(f"--temperature must be >= 0, got {ns.temperature}")
+    if ns.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {ns.top_k}")
+    if not 0 < ns.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {ns.top_p}")
+    if ns.seed is not None and not 0 <= ns.seed < 2**64:
+        raise UsageError(f"--seed must be in [0, 2**64), got {ns.seed}")
 
 
 def _read_prompt_file(path: Path) -> str:
@@ -104,6 +162,7 @@ def run_generate(args: GenerateArgs) -> int:
     from decoder.generate import generate_full
     from decoder.loader import load_model
     from decoder.runner import ModelRunner
+    from decoder.sampling import SamplingParams
 
     model = load_model(args.model)
     prompt_ids = model.encode(args.prompt, chat=args.chat)
@@ -112,8 +171,13 @@ def run_generate(args: GenerateArgs) -> int:
         raise UsageError(f"prompt ({len(prompt_ids)} tokens) plus --max-new-tokens "
                          f"({args.max_new_tokens}) exceeds the model's context of {limit}")
     runner = ModelRunner(model.config, model.weights, RunnerConfig(threads=args.threads))
-    result = generate_full(runner, [prompt_ids], max_new_tokens=args.max_new_tokens,
-                           eos_token_ids=model.eos_token_ids, mode=args.runner)[0]
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.mode == "full":
+        result = generate_full(runner, [prompt_ids], max_new_tokens=args.max_new_tokens,
+                               eos_token_ids=model.eos_token_ids, mode=args.runner,
+                               sampling=sampling)[0]
+    else:
+        result = _generate_compressed(runner, model, prompt_ids, args, sampling)
     text = model.decode(result.tokens)
     stats = {"model": model.name, "runner": args.runner, "stop_reason": result.stop_reason,
              **result.stats}
@@ -126,9 +190,37 @@ def run_generate(args: GenerateArgs) -> int:
     return 0
 
 
+def _generate_compressed(runner, model, prompt_ids, args: GenerateArgs, sampling):
+    """lossy / vericache: the prompt minus its last token is the prefix held in memory."""
+    import time
+
+    from decoder.engine import Engine, EngineConfig, Request, split_prompt
+
+    engine = Engine(runner, EngineConfig(mode=args.mode, compressor=args.compressor,
+                                         horizon=args.horizon), model.eos_token_ids)
+    runner.ensure_exact_supported()
+    t0 = time.perf_counter()
+    prefix, suffix = split_prompt(runner, prompt_ids, max(1, engine.observe_window))
+    prefix_s = time.perf_counter() - t0
+    result = engine.run([Request(prefix, suffix, args.max_new_tokens, sampling)])[0]
+    stats = result.stats
+    stats["prefill_s"] = round(prefix_s + stats["prefill_s"], 4)
+    total = stats["prefill_s"] + stats["compress_s"] + stats["decode_s"]
+    stats["tokens_per_s"] = round(stats["generated_tokens"] / total, 3)
+    stats["decode_tokens_per_s"] = round(stats["generated_tokens"] / stats["decode_s"], 3)
+    return result
+
+
 def _stats_line(stats: dict) -> str:
-    return (f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']} tok/s, "
-            f"prefill {stats['prefill_s']}s, stop: {stats['stop_reason']}]")
+    line = (f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']} tok/s, "
+            f"prefill {stats['prefill_s']}s, stop: {stats['stop_reason']}")
+    if "compressed_bytes" in stats:
+        line += (f", compressed {stats['compressed_bytes']} of {stats['full_bytes']} bytes "
+                 f"({stats['compression_ratio']}x)")
+    if "verifications" in stats:
+        line += (f", {stats['verifications']} verifications, "
+                 f"{stats['accepted_per_verification']} accepted each")
+    return line + "]"
 
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome."

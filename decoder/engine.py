@@ -176,6 +176,7 @@ class Engine:
         self.policy = HorizonPolicy(self.config.horizon, self.config.max_horizon)
         self.costs = CostModel()
         self.staging = StagingArea(runner.config, runner.rc.key_chunk)
+        self.timers: dict[str, float] = {}
 
     @property
     def observe_window(self) -> int:
@@ -197,6 +198,8 @@ class Engine:
         if not requests:
             raise ValueError("run needs at least one request")
         self.runner.ensure_exact_supported()
+        self.timers = {"draft_s": 0.0, "verify_s": 0.0, "steps": 0}
+        self.staging.fetch_s = 0.0
         t0 = time.perf_counter()
         active = [self._admit(r) for r in requests]
         compress_s = time.perf_counter() - t0
@@ -241,6 +244,7 @@ class Engine:
             a.resident = self._resident_copy(a)
         while live := [a for a in active if not a.done]:
             seqs = [SeqInput.extend(a.resident, [a.last]) for a in live]
+            self.timers["steps"] += 1
             for a, lg in zip(live, self.runner.forward(seqs, "exact"), strict=True):
                 a.emit([a.sampler.choose(lg[-1], len(a.out))])
 
@@ -263,6 +267,7 @@ class Engine:
     def _decode_lossy(self, active: list[_Active]) -> None:
         while live := [a for a in active if not a.done]:
             seqs = [SeqInput.extend(a.draft, [a.last]) for a in live]
+            self.timers["steps"] += 1
             for a, lg in zip(live, self.runner.forward(seqs, self.config.draft_mode),
                              strict=True):
                 a.emit([a.sampler.choose(lg[-1], len(a.out))])
@@ -287,7 +292,10 @@ class Engine:
             for a, lg in zip(stepping, logits, strict=True):
                 a.drafts.append(a.sampler.choose(lg[-1], len(a.out) + len(a.drafts)))
                 a.stats["draft_steps"] += 1
-            self.costs.record_draft_step(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.costs.record_draft_step(seconds)
+            self.timers["draft_s"] += seconds
+            self.timers["steps"] += 1
 
     def _verify(self, live: list[_Active]) -> None:
         t0, fetch0 = time.perf_counter(), self.staging.fetch_s
@@ -295,8 +303,10 @@ class Engine:
         seqs = [SeqInput.extend(self._staged(a, len(a.drafts) + 1), [a.last, *a.drafts], "all")
                 for a in live]
         logits = self.runner.forward(seqs, "exact")
-        self.costs.record_verification(sum(s.tokens.numel() for s in seqs),
-                                       time.perf_counter() - t0, self.staging.fetch_s - fetch0)
+        seconds = time.perf_counter() - t0
+        self.costs.record_verification(sum(s.tokens.numel() for s in seqs), seconds,
+                                       self.staging.fetch_s - fetch0)
+        self.timers["verify_s"] += seconds
         for a, lg, before in zip(live, logits, kept, strict=True):
             choices = a.sampler.choose_rows(lg, len(a.out))
             accepted = 0
@@ -344,6 +354,9 @@ class Engine:
                 accepted_per_verification=round(s["accepted"] / v, 3),
                 tokens_per_verification=round((len(a.out) - 1) / v, 3),
                 fetch_s=round(self.staging.fetch_s, 4),
+                draft_s=round(self.timers["draft_s"], 4),
+                verify_s=round(self.timers["verify_s"], 4),
             )
+        stats["batch_steps"] = int(self.timers["steps"])
         return GenerationResult(tokens=a.out, stop_reason=a.stop_reason or "length",
                                 stats=stats)

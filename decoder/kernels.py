@@ -126,10 +126,14 @@ class _QueryBlock:
     start: int
     end: int
     rows: int  # real query rows: tokens * group
-    row_pos: torch.Tensor  # [padded] absolute position of each row (padding rows: 0)
-    visible: torch.Tensor  # [padded, n_keys] bool: key position <= row position
+    hidden: torch.Tensor  # [n_chunks - first_masked, padded, key_chunk] bool: key after row
+    first_masked: int  # chunks before this one are visible to every real row
     last: torch.Tensor  # [padded] index of each row's own last key chunk
     n_chunks: int
+
+    @property
+    def padded(self) -> int:
+        return self.last.shape[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +154,11 @@ class AttentionPlan:
             row_pos = torch.zeros(ceil_to(rows, row_tile), dtype=torch.long)
             row_pos[:rows] = q_pos[start:end].repeat_interleave(group)
             n_chunks = int(q_pos[start:end].max()) // key_chunk + 1
-            visible = torch.arange(n_chunks * key_chunk)[None, :] <= row_pos[:, None]
-            blocks.append(_QueryBlock(start, end, rows, row_pos, visible,
-                                      row_pos // key_chunk, n_chunks))
+            first = int(q_pos[start:end].min()) // key_chunk
+            keys = torch.arange(first * key_chunk, n_chunks * key_chunk)
+            hidden = (keys[None, :] > row_pos[:, None]).view(-1, n_chunks - first, key_chunk)
+            blocks.append(_QueryBlock(start, end, rows, hidden.transpose(0, 1).contiguous(),
+                                      first, row_pos // key_chunk, n_chunks))
         return cls(tuple(blocks), key_chunk)
 
 
@@ -181,30 +187,32 @@ def _exact_attention_block(q, keys, values, block: _QueryBlock, key_chunk: int):
     t, heads, dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
-    rows, padded, n_chunks = block.rows, block.row_pos.shape[0], block.n_chunks
+    rows, padded, n_chunks = block.rows, block.padded, block.n_chunks
     n_keys = n_chunks * key_chunk
     # qr: [KVH, padded, D]; row r is token r // group, query head (r % group) of the kv head.
     qr = q.new_zeros(kv_heads, padded, dim)
     qr[:, :rows] = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, rows, dim)
 
-    scores = torch.matmul(qr, keys[:, :n_keys].transpose(1, 2))  # [KVH, padded, n_keys]
-    scores.masked_fill_(~block.visible, float("-inf"))
-    scores = scores.view(kv_heads, padded, n_chunks, key_chunk)
-    chunk_max = scores.amax(-1)  # [KVH, padded, n_chunks]
+    # Scores per key chunk with fixed shapes: [KVH, n_chunks, padded, key_chunk].
+    chunked_keys = keys[:, :n_keys].view(kv_heads, n_chunks, key_chunk, dim)
+    scores = torch.matmul(qr.unsqueeze(1), chunked_keys.transpose(2, 3))
+    # Only chunks that reach past some row's own position need the causal mask.
+    scores[:, block.first_masked:].masked_fill_(block.hidden, float("-inf"))
+    chunk_max = scores.amax(-1)  # [KVH, n_chunks, padded]
     safe_max = chunk_max.masked_fill(chunk_max == float("-inf"), 0.0)
-    probs = torch.exp(scores - safe_max.unsqueeze(-1))  # masked keys -> exactly 0
-    chunk_sum = probs.sum(-1)  # [KVH, padded, n_chunks]
+    probs = scores.sub_(safe_max.unsqueeze(-1)).exp_()  # masked keys -> exactly 0
+    chunk_sum = probs.sum(-1)  # [KVH, n_chunks, padded]
     chunk_out = torch.matmul(  # [KVH, n_chunks, padded, D]
-        probs.transpose(1, 2), values[:, :n_keys].view(kv_heads, n_chunks, key_chunk, dim)
+        probs, values[:, :n_keys].view(kv_heads, n_chunks, key_chunk, dim)
     )
 
     # Merge chunks in position order: prefix sums, read at each row's own last chunk.
-    row_max = chunk_max.amax(-1, keepdim=True)  # [KVH, padded, 1]
-    weight = torch.exp(chunk_max - row_max)  # [KVH, padded, n_chunks]
-    numer = torch.cumsum(chunk_out * weight.transpose(1, 2).unsqueeze(-1), dim=1)
-    denom = torch.cumsum(chunk_sum * weight, dim=-1)
+    row_max = chunk_max.amax(1, keepdim=True)  # [KVH, 1, padded]
+    weight = torch.exp(chunk_max - row_max)  # [KVH, n_chunks, padded]
+    numer = torch.cumsum(chunk_out * weight.unsqueeze(-1), dim=1)
+    denom = torch.cumsum(chunk_sum * weight, dim=1)
     row = torch.arange(padded)
-    merged = numer[:, block.last, row] / denom[:, row, block.last].unsqueeze(-1)  # [KVH, padded, D]
+    merged = numer[:, block.last, row] / denom[:, block.last, row].unsqueeze(-1)  # [KVH, padded, D]
     return merged[:, :rows].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
 
 
@@ -220,11 +228,14 @@ def fast_attention(
 
     q: [T, H, D] rotated, not scaled; keys/values: [KVH, N, D]; q_pos: [T]; k_pos: [N], or
     [KVH, N] when each kv head keeps its own positions (token-dropping compressors).
+    Every key must be at a position <= the last query's (the cache holds nothing later).
     Returns [T, H, D]. No exactness guarantee: for drafting.
     """
-    mask = k_pos[..., None, :] <= q_pos[:, None]  # [T, N] or [KVH, T, N]
-    if mask.dim() == 3:
-        mask = mask.repeat_interleave(q.shape[1] // keys.shape[0], dim=0)  # [H, T, N]
+    mask = None  # one query sees every cached key (its own is the last): no mask needed
+    if q_pos.shape[0] > 1:
+        mask = k_pos[..., None, :] <= q_pos[:, None]  # [T, N] or [KVH, T, N]
+        if mask.dim() == 3:
+            mask = mask.repeat_interleave(q.shape[1] // keys.shape[0], dim=0)  # [H, T, N]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
         keys.unsqueeze(0),

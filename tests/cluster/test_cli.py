@@ -36,6 +36,34 @@ def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_r
     assert stats["tokens_per_s"] > 0
 
 
+def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
+    prompt = tmp_path / "code.py"
+    prompt.write_text(Path(__file__).read_text(encoding="utf-8")[:2500], encoding="utf-8")
+    common = ["--prompt-file", str(prompt), "--max-new-tokens", "24", "--json",
+              "--temperature", "0.7", "--top-k", "40", "--seed", "11"]
+    full = run_cli("generate", "--mode", "full", *common)
+    assert full.returncode == 0, full.stderr
+    outputs = {"full": json.loads(full.stdout)}
+    for mode in ("vericache", "lossy"):
+        proc = run_cli("generate", "--mode", mode, "--compressor", "snapkv:budget=0.25+kivi:bits=4",
+                       "--horizon", "6", *common)
+        assert proc.returncode == 0, proc.stderr
+        outputs[mode] = json.loads(proc.stdout)
+    assert outputs["vericache"]["tokens"] == outputs["full"]["tokens"]
+    assert outputs["vericache"]["text"] == outputs["full"]["text"]
+    stats = outputs["vericache"]["stats"]
+    assert stats["mode"] == "vericache" and stats["seed"] == 11
+    assert stats["compressor"] == "snapkv:budget=0.25,window=32,kernel=7+kivi:bits=4,residual=128,group=32"
+    for key in ("verifications", "drafted", "accepted_per_verification", "compressed_bytes",
+                "full_bytes", "peak_staging_bytes", "tokens_per_s"):
+        assert key in stats, key
+    assert stats["drafted"] <= 6 * stats["verifications"]
+    assert 0 < stats["compressed_bytes"] < stats["full_bytes"]
+    assert 0 < stats["peak_staging_bytes"] < stats["full_bytes"]
+    assert outputs["lossy"]["stats"]["mode"] == "lossy"
+    assert len(outputs["lossy"]["tokens"]) == 24
+
+
 def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_model):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Say hi.", encoding="utf-8")
@@ -53,7 +81,19 @@ def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_mo
         (["generate"], "one of the arguments --prompt --prompt-file is required"),
         (["generate", "--prompt-file", "/nope"], "--prompt-file /nope: no such file"),
         (["generate", "--prompt", "x", "--mode", "bogus"],
-         "--mode 'bogus' is unknown; choose from: full"),
+         "--mode 'bogus' is unknown; choose from: full, lossy, vericache"),
+        (["generate", "--prompt", "x", "--mode", "vericache", "--compressor", "zip"],
+         "--compressor: unknown compressor 'zip'; allowed: streamingllm, snapkv, h2o"),
+        (["generate", "--prompt", "x", "--mode", "lossy", "--compressor", "kivi:bits=3"],
+         "--compressor: kivi: bits='3': must be one of 2, 4, 8"),
+        (["generate", "--prompt", "x", "--mode", "vericache", "--horizon", "many"],
+         "--horizon must be 'auto' or an integer >= 0, got 'many'"),
+        (["generate", "--prompt", "x", "--horizon", "-2"], "--horizon must be 'auto'"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--top-k", "-5"], "--top-k must be >= 0"),
+        (["generate", "--prompt", "x", "--mode", "vericache", "--runner", "fast"],
+         "--runner fast applies to --mode full only"),
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "x", "--max-new-tokens", "ten"], "invalid int value: 'ten'"),

@@ -1,0 +1,226 @@
+"""Lossless decoding with the full KV in host memory: full-KV vs lossy vs VeriCache.
+
+Workload: a long real Python source file (the standard library's argparse). For each
+context C, the first C - 64 tokens are one shared prefix, prefilled once in exact mode and
+held in host memory; each request adds its own 64-token suffix (another window of the same
+file) and generates `--max-new-tokens` tokens greedily. Batch 1 uses the first suffix,
+batch 8 eight different ones. Every mode runs on the same runner and the same requests:
+
+- full: the prefix KV made resident, exact decoding (the reference);
+- lossy, per compressor: decoding with the compressed prefix alone;
+- vericache, per compressor: draft with the compressed prefix, verify with the full one
+  (automatic horizon; SnapKV 12.5% also at a fixed horizon of 32).
+
+Times are medians over `--repeats` runs; tokens must agree across repeats. "tok/s" counts
+generated tokens over compression + suffix prefill + decoding (the shared prefix prefill
+is the same for every mode and reported separately). The draft-step speedup is the full
+mode's step time over the lossy mode's step time (same compressor, same batch), and the
+bound is that speedup times the fraction of drafted tokens accepted (DESIGN.md section 10).
+
+Usage: python bench/bench_local.py [--contexts 2048 8192] [--batches 1 8]
+       [--max-new-tokens 128] [--repeats 3] [--compressors SPEC ...]
+       [--out bench/results/local.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decoder.engine import Engine, EngineConfig, Request, prefill_prefix  # noqa: E402
+from decoder.loader import load_model  # noqa: E402
+from decoder.runner import ModelRunner  # noqa: E402
+
+COMPRESSORS = [
+    "streamingllm:budget=0.125",
+    "snapkv:budget=0.125",
+    "h2o:budget=0.125",
+    "pyramidkv:budget=0.125",
+    "kivi:bits=2",
+    "kivi:bits=4",
+    "kivi:bits=8",
+    "snapkv:budget=0.25+kivi:bits=4",
+]
+SUFFIX = 64
+
+
+def source_tokens(model) -> list[int]:
+    import argparse as source_module
+
+    return model.encode(inspect.getsource(source_module))
+
+
+def workload(tokens: list[int], context: int, batch: int):
+    prefix = tokens[: context - SUFFIX]
+    suffixes = []
+    for i in range(batch):
+        start = context + 256 + i * 997  # distinct windows after the prefix
+        suffixes.append(tokens[start:start + SUFFIX])
+    return prefix, suffixes
+
+
+def run_mode(runner, model, prefix, suffixes, config: EngineConfig, max_new: int,
+             repeats: int) -> dict:
+    samples, outputs, stats = [], None, None
+    for _ in range(repeats):
+        engine = Engine(runner, config, model.eos_token_ids)
+        prefix.artifacts.clear()  # compression is timed in every repeat
+        requests = [Request(prefix, list(s), max_new) for s in suffixes]
+        t0 = time.perf_counter()
+        results = engine.run(requests)
+        elapsed = time.perf_counter() - t0
+        tokens = [r.tokens for r in results]
+        if outputs is not None and tokens != outputs:
+            raise SystemExit(f"{config}: tokens differ between repeats")
+        outputs, stats = tokens, results[0].stats
+        generated = sum(len(t) for t in tokens)
+        samples.append({"tok_s": generated / elapsed,
+                        "step_s": stats["decode_s"] / max(1, stats["batch_steps"]),
+                        "draft_step_s": (stats.get("draft_s", 0.0)
+                                         / max(1, stats.get("draft_steps", 0)) if
+                                         config.mode == "vericache" else None)})
+    agg = {k: statistics.median(s[k] for s in samples) for k in ("tok_s", "step_s")}
+    return {"tokens": outputs, "stats": stats, **agg,
+            "samples": samples}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def bench_case(runner, model, tokens, context, batch, args) -> list[dict]:
+    prefix_ids, suffixes = workload(tokens, context, batch)
+    t0 = time.perf_counter()
+    prefix = prefill_prefix(runner, prefix_ids, observe=128)
+    prefill_s = time.perf_counter() - t0
+    print(f"\n== context {context}, batch {batch}: prefix prefill {prefill_s:.1f}s", flush=True)
+    full = run_mode(runner, model, prefix, suffixes, EngineConfig(mode="full"),
+                    args.max_new_tokens, args.repeats)
+    rows = [_row(context, batch, "full", "-", full, full, None, prefill_s)]
+    _print(rows[-1])
+    for spec in args.compressors:
+        lossy = run_mode(runner, model, prefix, suffixes,
+                         EngineConfig(mode="lossy", compressor=spec), args.max_new_tokens,
+                         args.repeats)
+        rows.append(_row(context, batch, "lossy", spec, lossy, full, None, prefill_s))
+        _print(rows[-1])
+        horizons = [None] + ([32] if spec == "snapkv:budget=0.125" else [])
+        for horizon in horizons:
+            vc = run_mode(runner, model, prefix, suffixes,
+                          EngineConfig(mode="vericache", compressor=spec, horizon=horizon),
+                          args.max_new_tokens, args.repeats)
+            rows.append(_row(context, batch, "vericache", spec, vc, full, lossy, prefill_s,
+                             horizon))
+            _print(rows[-1])
+    return rows
+
+
+def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) -> dict:
+    stats = res["stats"]
+    identical = res["tokens"] == full["tokens"]
+    row = {
+        "context": context, "batch": batch, "mode": mode, "compressor": spec,
+        "horizon": "-" if mode != "vericache" else ("auto" if horizon is None else horizon),
+        "compression_ratio": stats.get("compression_ratio", 1.0),
+        "tok_s": round(res["tok_s"], 3),
+        "vs_full": round(res["tok_s"] / full["tok_s"], 3),
+        "identical": identical,
+        "first_divergence": (None if identical else min(
+            d for d in (first_divergence(a, b) for a, b in zip(res["tokens"], full["tokens"],
+                                                               strict=True)) if d is not None)),
+        "step_ms": round(1000 * res["step_s"], 2),
+        "prefix_prefill_s": round(prefill_s, 2),
+        "compressed_bytes": stats.get("compressed_bytes"),
+        "full_bytes": stats["full_bytes"],
+        "peak_staging_bytes": stats["peak_staging_bytes"],
+    }
+    if mode == "lossy":
+        row["draft_step_speedup"] = round(full["step_s"] / res["step_s"], 3)
+    if mode == "vericache":
+        v = stats["verifications"]
+        row.update(
+            accepted_per_verification=stats["accepted_per_verification"],
+            verifications=v, drafted=stats["drafted"], accepted=stats["accepted"],
+            draft_step_speedup=round(full["step_s"] / lossy["step_s"], 3),
+        )
+        accept_fraction = stats["accepted"] / max(1, stats["drafted"])
+        row["bound"] = round(row["draft_step_speedup"] * accept_fraction, 3)
+        row["draft_s"], row["verify_s"] = stats["draft_s"], stats["verify_s"]
+    return row
+
+
+COLUMNS = [("context", "ctx"), ("batch", "batch"), ("mode", "mode"),
+           ("compressor", "compressor"), ("horizon", "horizon"),
+           ("compression_ratio", "ratio"), ("accepted_per_verification", "acc/verif"),
+           ("draft_step_speedup", "draft-step speedup"), ("bound", "bound"),
+           ("tok_s", "tok/s"), ("vs_full", "vs full"), ("identical", "identical"),
+           ("first_divergence", "diverges at")]
+
+
+def _print(row: dict) -> None:
+    print("  " + "  ".join(f"{title}={row.get(key, '-')}" for key, title in COLUMNS), flush=True)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(t for _, t in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = []
+        for key, _ in COLUMNS:
+            value = row.get(key)
+            if key == "identical":
+                value = "yes" if value else "no"
+            cells.append("-" if value is None else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compressors", nargs="+", default=COMPRESSORS)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/local.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model()
+    runner = ModelRunner(model.config, model.weights)
+    runner.ensure_exact_supported()
+    tokens = source_tokens(model)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            rows.extend(bench_case(runner, model, tokens, context, batch, args))
+            _write(args, rows)
+    print("\n" + markdown(rows))
+    print(f"\nwrote {args.out}")
+
+
+def _write(args, rows) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": "SmolLM2-135M-Instruct (built-in)", "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "machine": platform.machine(),
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "suffix_tokens": SUFFIX}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Lossless decoding: VeriCache emits exactly the full-KV tokens, for every compressor.
+
+The reference is `generate_full`, which prefills each whole prompt at once. The engine
+instead holds each prompt minus its last token as a prefix in host memory, prefills the
+last token against it layer by layer, drafts with the compressed prefix and verifies. The
+tokens must be identical, greedy and with seeded sampling, at every horizon.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pydoc
+
+import pytest
+
+from decoder.engine import Engine, EngineConfig, Request, prefill_prefix, split_prompt
+from decoder.generate import generate_full
+from decoder.sampling import SamplingParams
+
+COMPRESSORS = [
+    "streamingllm:sink=4,window=124",
+    "snapkv:budget=0.125",
+    "h2o:budget=0.125",
+    "pyramidkv:budget=0.125",
+    "kivi:bits=2",
+    "kivi:bits=4",
+    "kivi:bits=8",
+    "snapkv:budget=0.25+kivi:bits=4",
+]
+HORIZONS = [1, 8, 32, None]
+NEW_TOKENS = 64
+SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1234)
+
+
+def _prompts(model) -> list[list[int]]:
+    """Eight varied prompts of 1-2K tokens: code, prose and a chat request."""
+    import argparse
+    import dataclasses
+    import difflib
+    import json.decoder
+    import textwrap
+
+    code = [inspect.getsource(m) for m in (argparse, dataclasses, difflib, json.decoder,
+                                           textwrap)]
+    prose = pydoc.render_doc(str, renderer=pydoc.plaintext)
+    texts = [(code[0], 1024, False), (code[1], 1300, False), (code[2], 1700, False),
+             (code[3], 1100, False), (code[4], 2000, False), (prose, 1500, False)]
+    ids = [model.encode(text)[:n] for text, n, _ in texts]
+    doc = model.decode(model.encode(code[2])[:1200])
+    ids.append(model.encode("Explain what this module does, then list its public "
+                            f"functions:\n\n{doc}", chat=True))
+    ids.append(model.encode(prose)[2000:3400])
+    assert all(1000 <= len(p) <= 2100 for p in ids), [len(p) for p in ids]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def workload(builtin_model, builtin_runner):
+    """The prompts, their in-memory prefixes, and full-KV references (greedy and sampled)."""
+    prompts = _prompts(builtin_model)
+    eos = builtin_model.eos_token_ids
+    split = [split_prompt(builtin_runner, p, observe=128) for p in prompts]
+    refs = {
+        sampling: [r.tokens for r in generate_full(builtin_runner, prompts,
+                                                   max_new_tokens=NEW_TOKENS, eos_token_ids=eos,
+                                                   sampling=sampling)]
+        for sampling in (SamplingParams(), SAMPLING)
+    }
+    return split, refs
+
+
+def _run(runner, model, workload, config, sampling):
+    split, _ = workload
+    engine = Engine(runner, config, model.eos_token_ids)
+    requests = [Request(prefix, suffix, NEW_TOKENS, sampling) for prefix, suffix in split]
+    results = engine.run(requests)
+    for prefix, _ in split:
+        prefix.artifacts.clear()
+    return results
+
+
+def _matrix():
+    """Every compressor at auto greedy runs by default; the rest of the matrix is `slow`."""
+    for spec in COMPRESSORS:
+        for horizon in HORIZONS:
+            for sampling in (SamplingParams(), SAMPLING):
+                fast = horizon is None and sampling.greedy or (
+                    spec == "snapkv:budget=0.125" and (sampling.greedy or horizon is None))
+                marks = () if fast else (pytest.mark.slow,)
+                name = f"{spec}-h{horizon or 'auto'}-{'greedy' if sampling.greedy else 'seeded'}"
+                yield pytest.param(spec, horizon, sampling, marks=marks, id=name)
+
+
+@pytest.mark.parametrize(("spec", "horizon", "sampling"), list(_matrix()))
+def test_vericache_is_token_for_token_full_kv(spec, horizon, sampling, builtin_model,
+                                              builtin_runner, workload):
+    config = EngineConfig(mode="vericache", compressor=spec, horizon=horizon)
+    results = _run(builtin_runner, builtin_model, workload, config, sampling)
+    want = workload[1][sampling]
+    for i, (result, expected) in enumerate(zip(results, want, strict=True)):
+        assert result.tokens == expected, f"prompt {i} differs at horizon {horizon}"
+        assert len(result.tokens) == NEW_TOKENS or result.tokens[-1] in \
+            builtin_model.eos_token_ids
+    stats = results[0].stats
+    assert stats["verifications"] >= 1
+    assert stats["accepted"] <= stats["drafted"]
+    if horizon is not None:
+        assert all(r.stats["drafted"] <= horizon * r.stats["verifications"] for r in results)
+    assert 0 < stats["compressed_bytes"] < stats["full_bytes"]
+
+
+def test_lossy_mode_really_is_lossy(builtin_model, builtin_runner, workload):
+    """Aggressive StreamingLLM (64 of 1023+ tokens) drifts from full-KV decoding."""
+    config = EngineConfig(mode="lossy", compressor="streamingllm:sink=4,window=60")
+    results = _run(builtin_runner, builtin_model, workload, config, SamplingParams())
+    want = workload[1][SamplingParams()]
+    differs = [r.tokens != w for r, w in zip(results, want, strict=True)]
+    assert sum(differs) >= 4, "most prompts diverge"
+    for (prefix, _), r in zip(workload[0], results, strict=True):
+        expected_ratio = prefix.source.length / 64  # positions add 4 bytes per 512 of KV
+        assert r.stats["compression_ratio"] == pytest.approx(expected_ratio, rel=0.01)
+        assert r.stats["compressed_bytes"] * expected_ratio == pytest.approx(
+            r.stats["full_bytes"], rel=0.01)
+
+
+def test_batched_requests_match_each_alone(builtin_model, builtin_runner, workload):
+    split, refs = workload
+    config = EngineConfig(mode="vericache", compressor="snapkv:budget=0.125", horizon=8)
+    batch = Engine(builtin_runner, config, builtin_model.eos_token_ids).run(
+        [Request(p, s, 24, SAMPLING) for p, s in split[:3]])
+    for (prefix, suffix), together in zip(split[:3], batch, strict=True):
+        alone = Engine(builtin_runner, config, builtin_model.eos_token_ids).run(
+            [Request(prefix, suffix, 24, SAMPLING)])[0]
+        assert alone.tokens == together.tokens == refs[SAMPLING][split.index(
+            (prefix, suffix))][:24]
+
+
+@pytest.mark.parametrize("mode", ["full", "vericache"])
+def test_multi_token_suffix_over_a_shared_prefix(mode, builtin_model, builtin_runner, workload):
+    """Requests over one prefix with different suffixes: same as prefilling each prompt."""
+    split, _ = workload
+    prefix, suffix = split[0]
+    tail = list(prefix.tokens[-40:])
+    shared = prefill_prefix(builtin_runner, prefix.tokens[:-40], observe=128)
+    suffixes = [tail + suffix, tail[:10] + [1000, 2000, 3000]]
+    want = [r.tokens for r in generate_full(
+        builtin_runner, [shared.tokens + s for s in suffixes], max_new_tokens=20,
+        eos_token_ids=builtin_model.eos_token_ids)]
+    engine = Engine(builtin_runner, EngineConfig(mode=mode, horizon=6),
+                    builtin_model.eos_token_ids)
+    got = engine.run([Request(shared, s, 20) for s in suffixes])
+    assert [r.tokens for r in got] == want
+
+
+def test_staging_holds_at_most_one_layer(builtin_model, builtin_runner, workload):
+    split, _ = workload
+    prefix, suffix = split[4]  # the 2000-token prompt
+    engine = Engine(builtin_runner, EngineConfig(mode="vericache", horizon=32),
+                    builtin_model.eos_token_ids)
+    stats = engine.run([Request(prefix, suffix, 40)])[0].stats
+    c = builtin_model.config
+    one_layer = 2 * c.num_kv_heads * 2048 * c.head_dim * 4  # rounded up to 256-key chunks
+    assert stats["peak_staging_bytes"] == one_layer
+    assert stats["peak_staging_bytes"] <= stats["full_bytes"] / c.num_layers * 1.1
+
+
+def test_horizon_zero_and_single_token_budgets(builtin_model, builtin_runner, workload):
+    split, refs = workload
+    prefix, suffix = split[3]
+    engine = Engine(builtin_runner, EngineConfig(mode="vericache", horizon=0),
+                    builtin_model.eos_token_ids)
+    result = engine.run([Request(prefix, suffix, 5)])[0]
+    assert result.tokens == refs[SamplingParams()][3][:5]
+    assert result.stats["drafted"] == 0 and result.stats["verifications"] == 4
+    one = engine.run([Request(prefix, suffix, 1)])[0]
+    assert one.tokens == refs[SamplingParams()][3][:1] and one.stop_reason == "length"
+
+
+def test_chat_request_stops_at_eos_like_full(builtin_model, builtin_runner):
+    prompt = builtin_model.encode("Say hello in one short sentence.", chat=True)
+    want = generate_full(builtin_runner, [prompt], max_new_tokens=60,
+                         eos_token_ids=builtin_model.eos_token_ids)[0]
+    assert want.stop_reason == "eos"
+    prefix, suffix = split_prompt(builtin_runner, prompt)
+    for horizon in (4, None):
+        got = Engine(builtin_runner, EngineConfig(mode="vericache", horizon=horizon),
+                     builtin_model.eos_token_ids).run([Request(prefix, suffix, 60)])[0]
+        assert got.tokens == want.tokens and got.stop_reason == "eos"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "turbo"}, "mode must be one of full, lossy, vericache"),
+    ({"horizon": -1}, "horizon must be >= 0"),
+    ({"max_horizon": 0}, "max_horizon must be >= 1"),
+    ({"draft_mode": "sloppy"}, "draft_mode must be 'exact' or 'fast'"),
+])
+def test_engine_config_is_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
