@@ -68,12 +68,16 @@ class Request:
     suffix: list[int]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    horizon: int | None = None
+    """Drafted tokens per verification for this request; None follows the engine's config."""
 
     def __post_init__(self) -> None:
         if not self.suffix:
             raise ValueError("a request needs at least one prompt token after its prefix")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.horizon is not None and self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0, got {self.horizon}")
 
 
 @dataclass(frozen=True)
@@ -275,27 +279,43 @@ class Engine:
     # -- VeriCache --------------------------------------------------------------------------
 
     def _decode_vericache(self, active: list[_Active]) -> None:
+        """Each iteration: one draft step for every request still drafting, then one
+        verification pass for every request whose round is drafted. Requests keep their
+        own rounds, so a short horizon never waits for a long one."""
+        for a in active:
+            self._plan_round(a)
         while live := [a for a in active if not a.done]:
-            for a in live:
-                a.horizon = min(self.policy.choose(a.acceptance, self.costs), a.remaining - 1)
-                a.drafts = []
-            self._draft(live)
-            self._verify(live)
+            drafting = [a for a in live if self._drafting(a)]
+            if drafting:
+                self._draft_step(drafting)
+            ready = [a for a in live if not self._drafting(a)]
+            if ready:
+                self._verify(ready)
+                for a in ready:
+                    self._plan_round(a)
 
-    def _draft(self, live: list[_Active]) -> None:
-        while stepping := [a for a in live if len(a.drafts) < a.horizon
-                           and not (a.drafts and a.drafts[-1] in self.eos)]:
-            t0 = time.perf_counter()
-            seqs = [SeqInput.extend(a.draft, [a.drafts[-1] if a.drafts else a.last])
-                    for a in stepping]
-            logits = self.runner.forward(seqs, self.config.draft_mode)
-            for a, lg in zip(stepping, logits, strict=True):
-                a.drafts.append(a.sampler.choose(lg[-1], len(a.out) + len(a.drafts)))
-                a.stats["draft_steps"] += 1
-            seconds = time.perf_counter() - t0
-            self.costs.record_draft_step(seconds)
-            self.timers["draft_s"] += seconds
-            self.timers["steps"] += 1
+    def _plan_round(self, a: _Active) -> None:
+        horizon = a.req.horizon
+        if horizon is None:
+            horizon = self.policy.choose(a.acceptance, self.costs)
+        a.horizon = max(0, min(horizon, a.remaining - 1))
+        a.drafts = []
+
+    def _drafting(self, a: _Active) -> bool:
+        return len(a.drafts) < a.horizon and not (a.drafts and a.drafts[-1] in self.eos)
+
+    def _draft_step(self, drafting: list[_Active]) -> None:
+        t0 = time.perf_counter()
+        seqs = [SeqInput.extend(a.draft, [a.drafts[-1] if a.drafts else a.last])
+                for a in drafting]
+        logits = self.runner.forward(seqs, self.config.draft_mode)
+        for a, lg in zip(drafting, logits, strict=True):
+            a.drafts.append(a.sampler.choose(lg[-1], len(a.out) + len(a.drafts)))
+            a.stats["draft_steps"] += 1
+        seconds = time.perf_counter() - t0
+        self.costs.record_draft_step(seconds)
+        self.timers["draft_s"] += seconds
+        self.timers["steps"] += 1
 
     def _verify(self, live: list[_Active]) -> None:
         t0, fetch0 = time.perf_counter(), self.staging.fetch_s

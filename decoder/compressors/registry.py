@@ -135,12 +135,11 @@ def _parse_value(method: str, key: str, kind: str, raw: str):
 
 
 def _parse_budget(where: str, raw: str) -> Budget:
+    if raw.isdigit():
+        if int(raw) < 1:
+            raise CompressorSpecError(f"{where}: a token budget must be >= 1")
+        return Budget(tokens=int(raw))
     try:
-        if raw.isdigit():
-            tokens = int(raw)
-            if tokens < 1:
-                raise ValueError
-            return Budget(tokens=tokens)
         fraction = float(raw)
     except ValueError:
         raise CompressorSpecError(f"{where}: a budget is a fraction in (0, 1) such as 0.125 or "

@@ -112,11 +112,11 @@ def test_kivi_stores_packed_codes_and_fp16_scales(bits, prefix):
 
 def test_composition_drops_then_quantizes(prefix):
     dropped = compress("snapkv:budget=0.25", prefix)
-    both = compress("snapkv:budget=0.25+kivi:bits=4", prefix)
+    both = compress("snapkv:budget=0.25+kivi:bits=4,residual=32", prefix)
     for a, b in zip(dropped.layers, both.layers, strict=True):
         assert torch.equal(a.positions, b.positions)
         assert b.quantized and not a.quantized
-    assert both.nbytes < dropped.nbytes / 3
+    assert both.nbytes < dropped.nbytes / 2.5  # 192 of 250 kept tokens quantized
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
