@@ -1,11 +1,11 @@
-# Entry points: install, demo, test, lint, bench-decode.
+# Entry points: install, demo, test, lint, bench-decode, bench-local.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: install demo test test-fast lint format bench-decode clean
+.PHONY: install demo test test-fast lint format bench-decode bench-local clean
 
 install: $(STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -39,6 +39,9 @@ format: install
 
 bench-decode: install
 	$(PY) bench/bench_decode.py
+
+bench-local: install
+	$(PY) bench/bench_local.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -223,15 +223,51 @@ def _stats_line(stats: dict) -> str:
     return line + "]"
 
 
-DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome."
-
-
 def run_demo(ns: argparse.Namespace) -> int:
-    """For now: one local full-KV generation on the built-in model (grows into the service demo)."""
-    print(f"vericache demo: full-KV exact decoding on the built-in model\nprompt: {DEMO_PROMPT}\n")
-    args = GenerateArgs(prompt=DEMO_PROMPT, max_new_tokens=ns.max_new_tokens, mode="full",
-                        model=None, runner="exact", chat=True, json=False, threads=None)
-    return run_generate(args)
+    """In-process lossless decoding on the built-in model: full vs lossy vs VeriCache.
+
+    (Grows into the service demo once the prefix store exists.)
+    """
+    import inspect
+    import textwrap
+    import time
+
+    from decoder.engine import Engine, EngineConfig, Request, prefill_prefix
+    from decoder.loader import load_model
+    from decoder.runner import ModelRunner
+
+    model = load_model()
+    runner = ModelRunner(model.config, model.weights)
+    runner.ensure_exact_supported()
+    prompt = model.encode(inspect.getsource(textwrap))[:1200]
+    print(f"vericache demo: {model.name}, a {len(prompt)}-token Python source prompt, "
+          f"{ns.max_new_tokens} new tokens, compressor {DEFAULT_COMPRESSOR}", flush=True)
+    t0 = time.perf_counter()
+    prefix = prefill_prefix(runner, prompt[:-1])
+    print(f"prefix prefilled into host memory in {time.perf_counter() - t0:.1f}s", flush=True)
+    rows, reference = [], None
+    for mode in ("full", "lossy", "vericache"):
+        engine = Engine(runner, EngineConfig(mode=mode, compressor=DEFAULT_COMPRESSOR),
+                        model.eos_token_ids)
+        result = engine.run([Request(prefix, prompt[-1:], ns.max_new_tokens)])[0]
+        reference = reference or result.tokens
+        rows.append((mode, result))
+        print(f"  {mode:9s} done: {result.stats['tokens_per_s']} tok/s", flush=True)
+    print(f"\n{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'KV bytes kept':>14s} "
+          f"{'accepted/verif':>15s}  identical to full")
+    full_speed = rows[0][1].stats["tokens_per_s"]
+    for mode, result in rows:
+        s = result.stats
+        same = result.tokens == reference
+        diverge = next((i for i, (a, b) in enumerate(zip(result.tokens, reference)) if a != b),
+                       None)
+        verdict = "yes" if same else f"no (from token {diverge})"
+        print(f"{mode:10s} {s['tokens_per_s']:7.2f} {s['tokens_per_s'] / full_speed:7.2f}x "
+              f"{s.get('compressed_bytes', s['full_bytes']):14d} "
+              f"{str(s.get('accepted_per_verification', '-')):>15s}  {verdict}")
+    print("\nvericache output:\n" + model.decode(rows[2][1].tokens))
+    print("\nMore: vericache generate --help; make bench-local for 2K/8K contexts and batches.")
+    return 0 if rows[2][1].tokens == reference else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

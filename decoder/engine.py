@@ -313,19 +313,18 @@ class Engine:
             a.drafts.append(a.sampler.choose(lg[-1], len(a.out) + len(a.drafts)))
             a.stats["draft_steps"] += 1
         seconds = time.perf_counter() - t0
-        self.costs.record_draft_step(seconds)
+        self.costs.record_draft_step(seconds, len(drafting))
         self.timers["draft_s"] += seconds
         self.timers["steps"] += 1
 
     def _verify(self, live: list[_Active]) -> None:
-        t0, fetch0 = time.perf_counter(), self.staging.fetch_s
+        t0 = time.perf_counter()
         kept = [len(a.tail) for a in live]
         seqs = [SeqInput.extend(self._staged(a, len(a.drafts) + 1), [a.last, *a.drafts], "all")
                 for a in live]
         logits = self.runner.forward(seqs, "exact")
         seconds = time.perf_counter() - t0
-        self.costs.record_verification(sum(s.tokens.numel() for s in seqs), seconds,
-                                       self.staging.fetch_s - fetch0)
+        self.costs.record_verification(len(seqs), sum(s.tokens.numel() for s in seqs), seconds)
         self.timers["verify_s"] += seconds
         for a, lg, before in zip(live, logits, kept, strict=True):
             choices = a.sampler.choose_rows(lg, len(a.out))

@@ -1,10 +1,11 @@
 """How many tokens a request drafts before the next verification (DESIGN.md section 4).
 
 A fixed horizon drafts `x` every round. The automatic policy models a round as `x` draft
-steps plus one verification of `x + 1` tokens plus the prefix fetch, and each draft as
-accepted with the request's own measured probability `a` until the first rejection, so a
-round yields `1 + a + a^2 + ... + a^x` tokens on average. It picks the `x` that maximises
-tokens per second under the costs measured so far in this engine.
+steps plus one verification of `x + 1` tokens (which includes reading the full prefix),
+each charged at the request's share of the batched work, and each draft as accepted with
+the request's own measured probability `a` until the first rejection, so a round yields
+`1 + a + a^2 + ... + a^x` tokens on average. It picks the `x` that maximises tokens per
+second under the costs measured so far in this engine.
 """
 
 from __future__ import annotations
@@ -38,34 +39,44 @@ class Acceptance:
 
 @dataclass
 class CostModel:
-    """Measured costs: seconds per draft step, and a line fitted to verification passes."""
+    """Measured costs, as each request's share of the batched work it takes part in.
 
-    draft_step_s: float | None = None
+    A draft step's share is its time over the requests it advanced. A verification pass is
+    fitted as `seconds = per_request * requests + per_token * tokens` over recent passes
+    (least squares), so a request verifying `x + 1` tokens is charged
+    `per_request + per_token * (x + 1)`.
+    """
+
+    draft_share_s: float | None = None
     passes: deque = field(default_factory=lambda: deque(maxlen=32))
-    fetch_s: float = 0.0
 
-    def record_draft_step(self, seconds: float) -> None:
-        prev = self.draft_step_s
-        self.draft_step_s = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+    def record_draft_step(self, seconds: float, requests: int) -> None:
+        share = seconds / max(1, requests)
+        prev = self.draft_share_s
+        self.draft_share_s = share if prev is None else 0.8 * prev + 0.2 * share
 
-    def record_verification(self, tokens: int, seconds: float, fetch_s: float) -> None:
-        """tokens: verified tokens in the pass (all requests); fetch_s: its prefix reads."""
-        self.fetch_s = 0.8 * self.fetch_s + 0.2 * fetch_s if self.passes else fetch_s
-        self.passes.append((tokens, seconds))
+    def record_verification(self, requests: int, tokens: int, seconds: float) -> None:
+        self.passes.append((requests, tokens, seconds))
 
-    def verify_line(self) -> tuple[float, float] | None:
-        """(fixed seconds per pass, seconds per verified token), or None before any pass."""
+    def verify_costs(self) -> tuple[float, float] | None:
+        """(seconds per request, seconds per verified token), or None before any pass."""
         if not self.passes:
             return None
-        xs = [t for t, _ in self.passes]
-        ys = [s for _, s in self.passes]
-        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if n >= 3 and var > 0:
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-            if slope > 0 and my - slope * mx > 0:
-                return my - slope * mx, slope
-        return 0.5 * my, 0.5 * my / mx  # one point: split evenly between fixed and per-token
+        snn = sum(n * n for n, _, _ in self.passes)
+        stt = sum(t * t for _, t, _ in self.passes)
+        snt = sum(n * t for n, t, _ in self.passes)
+        sns = sum(n * s for n, _, s in self.passes)
+        sts = sum(t * s for _, t, s in self.passes)
+        det = snn * stt - snt * snt
+        if len(self.passes) >= 3 and det > 1e-9 * snn * stt:
+            per_request = (sns * stt - sts * snt) / det
+            per_token = (snn * sts - snt * sns) / det
+            if per_request > 0 and per_token > 0:
+                return per_request, per_token
+        total_s = sum(s for _, _, s in self.passes)
+        requests = sum(n for n, _, _ in self.passes)
+        tokens = sum(t for _, t, _ in self.passes)
+        return 0.5 * total_s / requests, 0.5 * total_s / tokens  # not separable yet: halves
 
 
 class HorizonPolicy:
@@ -82,17 +93,17 @@ class HorizonPolicy:
     def choose(self, acceptance: Acceptance, costs: CostModel) -> int:
         if self.fixed is not None:
             return self.fixed
-        line = costs.verify_line()
-        if line is None or costs.draft_step_s is None:
+        verify = costs.verify_costs()
+        if verify is None or costs.draft_share_s is None:
             return min(START_HORIZON, self.max_horizon)
-        fixed, per_token = line
+        per_request, per_token = verify
         rate = acceptance.rate
         best, best_speed, expected, power = 0, 0.0, 1.0, 1.0
         for x in range(self.max_horizon + 1):
             if x:
                 power *= rate
                 expected += power
-            seconds = x * costs.draft_step_s + fixed + per_token * (x + 1)
+            seconds = x * costs.draft_share_s + per_request + per_token * (x + 1)
             if expected / seconds > best_speed:
                 best, best_speed = x, expected / seconds
         return best
