@@ -259,7 +259,8 @@ def run_demo(ns: argparse.Namespace) -> int:
     for mode, result in rows:
         s = result.stats
         same = result.tokens == reference
-        diverge = next((i for i, (a, b) in enumerate(zip(result.tokens, reference)) if a != b),
+        diverge = next((i for i, (a, b) in enumerate(zip(result.tokens, reference, strict=False))
+                        if a != b),
                        None)
         verdict = "yes" if same else f"no (from token {diverge})"
         print(f"{mode:10s} {s['tokens_per_s']:7.2f} {s['tokens_per_s'] / full_speed:7.2f}x "

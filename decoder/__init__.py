@@ -1,4 +1,5 @@
-"""The decoder: model runner (exact and fast modes), KV caches and generation.
+"""The decoder: model runner (exact and fast modes), KV caches, compressors, the
+draft/verify engine and generation.
 
 Public surface (imported lazily so that light users, such as the CLI's argument parsing,
 do not pay for importing torch):
@@ -20,9 +21,19 @@ _EXPORTS = {
     "BUILTIN_MODEL": "decoder.loader",
     "generate_full": "decoder.generate",
     "GenerationResult": "decoder.generate",
+    "Engine": "decoder.engine",
+    "EngineConfig": "decoder.engine",
+    "Request": "decoder.engine",
+    "Prefix": "decoder.engine",
+    "prefill_prefix": "decoder.engine",
+    "SamplingParams": "decoder.sampling",
+    "FullKVSource": "decoder.kv_source",
+    "LocalKVSource": "decoder.kv_source",
+    "parse_compressor": "decoder.compressors",
     "DecoderError": "decoder.errors",
     "ModelLoadError": "decoder.errors",
     "ExactModeUnsupported": "decoder.errors",
+    "CompressorSpecError": "decoder.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from decoder.config import Mode
 from decoder.runner import ModelRunner, SeqInput
 from decoder.sampling import Sampler, SamplingParams

@@ -76,11 +76,11 @@ def parse_compressor(spec: str) -> CompressorPipeline:
     quantizers = [s for s in stages if not s.drops_tokens]
     if len(droppers) > 1 or len(quantizers) > 1 or (
             droppers and quantizers and stages.index(droppers[0]) > stages.index(quantizers[0])):
+        drop = ", ".join(n for n, c in REGISTRY.items() if c.drops_tokens)
+        quantize = ", ".join(n for n, c in REGISTRY.items() if not c.drops_tokens)
         raise CompressorSpecError(
-            f"compressor spec {spec!r}: compose at most one token-dropping method "
-            f"({', '.join(n for n, c in REGISTRY.items() if c.drops_tokens)}) followed by at "
-            f"most one quantizer ({', '.join(n for n, c in REGISTRY.items() if not c.drops_tokens)})"
-        )
+            f"compressor spec {spec!r}: compose at most one token-dropping method ({drop}) "
+            f"followed by at most one quantizer ({quantize})")
     return CompressorPipeline(stages)
 
 
@@ -125,8 +125,8 @@ def _parse_value(method: str, key: str, kind: str, raw: str):
     try:
         value = int(raw) if kind == "int" else float(raw)
     except ValueError:
-        raise CompressorSpecError(f"{where}: expected {'an integer' if kind == 'int' else 'a number'}"
-                                  ) from None
+        expected = "an integer" if kind == "int" else "a number"
+        raise CompressorSpecError(f"{where}: expected {expected}") from None
     if kind == "int" and value < _MINIMUM.get(key, 0):
         raise CompressorSpecError(f"{where}: must be >= {_MINIMUM.get(key, 0)}")
     if kind == "float" and not 0.0 <= value <= 1.0:

@@ -53,7 +53,8 @@ def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
     assert outputs["vericache"]["text"] == outputs["full"]["text"]
     stats = outputs["vericache"]["stats"]
     assert stats["mode"] == "vericache" and stats["seed"] == 11
-    assert stats["compressor"] == "snapkv:budget=0.25,window=32,kernel=7+kivi:bits=4,residual=128,group=32"
+    assert stats["compressor"] == ("snapkv:budget=0.25,window=32,kernel=7"
+                                   "+kivi:bits=4,residual=128,group=32")
     for key in ("verifications", "drafted", "accepted_per_verification", "compressed_bytes",
                 "full_bytes", "peak_staging_bytes", "tokens_per_s"):
         assert key in stats, key

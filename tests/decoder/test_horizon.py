@@ -1,0 +1,55 @@
+"""The automatic horizon follows measured acceptance and costs."""
+
+from __future__ import annotations
+
+from decoder.horizon import START_HORIZON, Acceptance, CostModel, HorizonPolicy
+
+
+def costs(draft_share: float, per_request: float, per_token: float) -> CostModel:
+    model = CostModel()
+    for _ in range(3):
+        model.record_draft_step(draft_share * 4, 4)
+    for requests, tokens in [(8, 72), (4, 132), (8, 264), (2, 10)]:
+        model.record_verification(requests, tokens, per_request * requests + per_token * tokens)
+    return model
+
+
+def acceptance(rounds: list[tuple[int, int]]) -> Acceptance:
+    record = Acceptance()
+    for drafted, accepted in rounds:
+        record.record(drafted, accepted)
+    return record
+
+
+def test_fit_recovers_per_request_and_per_token_costs():
+    per_request, per_token = costs(0.02, 0.3, 0.015).verify_costs()
+    assert abs(per_request - 0.3) < 1e-9 and abs(per_token - 0.015) < 1e-9
+
+
+def test_fixed_horizon_is_fixed_and_auto_starts_at_the_default():
+    assert HorizonPolicy(5).choose(Acceptance(), CostModel()) == 5
+    assert HorizonPolicy(None).choose(Acceptance(), CostModel()) == START_HORIZON
+
+
+def test_high_acceptance_and_costly_verification_draft_long():
+    good = acceptance([(16, 16)] * 6)
+    assert HorizonPolicy(None, 32).choose(good, costs(0.02, 0.5, 0.015)) >= 24
+
+
+def test_low_acceptance_drafts_short():
+    poor = acceptance([(8, 0), (8, 1), (8, 0), (8, 2)])
+    assert HorizonPolicy(None, 32).choose(poor, costs(0.02, 0.5, 0.015)) <= 3
+
+
+def test_expensive_drafts_relative_to_verification_shorten_the_horizon():
+    good = acceptance([(16, 12)] * 6)
+    cheap = HorizonPolicy(None, 32).choose(good, costs(0.01, 0.5, 0.01))
+    dear = HorizonPolicy(None, 32).choose(good, costs(0.2, 0.05, 0.01))
+    assert dear < cheap
+
+
+def test_acceptance_counts_trials_up_to_the_first_rejection():
+    record = Acceptance(successes=0.0, trials=0.0, decay=1.0)
+    record.record(drafted=10, accepted=3)  # 3 successes, then the 4th draft failed
+    record.record(drafted=5, accepted=5)
+    assert record.rate == 8 / 9
