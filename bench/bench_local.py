@@ -82,7 +82,12 @@ def run_mode(runner, model, prefix, suffixes, config: EngineConfig, max_new: int
         tokens = [r.tokens for r in results]
         if outputs is not None and tokens != outputs:
             raise SystemExit(f"{config}: tokens differ between repeats")
-        outputs, stats = tokens, results[0].stats
+        outputs, stats = tokens, dict(results[0].stats)
+        if config.mode == "vericache":  # acceptance over every request of the batch
+            for key in ("verifications", "drafted", "accepted"):
+                stats[key] = sum(r.stats[key] for r in results)
+            stats["accepted_per_verification"] = round(
+                stats["accepted"] / max(1, stats["verifications"]), 3)
         generated = sum(len(t) for t in tokens)
         step_s = (stats["draft_s"] if config.mode == "vericache" else stats["decode_s"])
         samples.append({"tok_s": generated / elapsed,

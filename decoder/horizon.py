@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 START_HORIZON = 8
 """Auto's horizon before any round has been measured."""
@@ -19,15 +20,25 @@ START_HORIZON = 8
 
 @dataclass
 class Acceptance:
-    """A request's acceptance record, with a prior and exponential forgetting."""
+    """A request's acceptance record, with a prior and exponential forgetting.
+
+    A round that drafts nothing (the policy chose x = 0) relaxes the record toward the
+    prior, so a request that started badly is probed again later instead of never
+    drafting for the rest of its life.
+    """
 
     successes: float = 2.8
     trials: float = 4.0
     decay: float = 0.9
 
+    PRIOR_SUCCESSES: ClassVar[float] = 2.8
+    PRIOR_TRIALS: ClassVar[float] = 4.0
+
     def record(self, drafted: int, accepted: int) -> None:
         """One round: `accepted` of `drafted` drafts matched before the first mismatch."""
         if drafted == 0:
+            self.successes = self.successes * self.decay + self.PRIOR_SUCCESSES * (1 - self.decay)
+            self.trials = self.trials * self.decay + self.PRIOR_TRIALS * (1 - self.decay)
             return
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + min(drafted, accepted + 1)

@@ -43,13 +43,13 @@ def _prompts(model) -> list[list[int]]:
     code = [inspect.getsource(m) for m in (argparse, dataclasses, difflib, json.decoder,
                                            textwrap)]
     prose = pydoc.render_doc(str, renderer=pydoc.plaintext)
-    texts = [(code[0], 1024, False), (code[1], 1300, False), (code[2], 1700, False),
-             (code[3], 1100, False), (code[4], 2000, False), (prose, 1500, False)]
+    texts = [(code[0], 1024, False), (code[1], 1150, False), (code[2], 1250, False),
+             (code[3], 1100, False), (code[4], 2000, False), (prose, 1050, False)]
     ids = [model.encode(text)[:n] for text, n, _ in texts]
-    doc = model.decode(model.encode(code[2])[:1200])
+    doc = model.decode(model.encode(code[2])[:1000])
     ids.append(model.encode("Explain what this module does, then list its public "
                             f"functions:\n\n{doc}", chat=True))
-    ids.append(model.encode(prose)[2000:3400])
+    ids.append(model.encode(prose)[2000:3100])
     assert all(1000 <= len(p) <= 2100 for p in ids), [len(p) for p in ids]
     return ids
 

@@ -53,3 +53,14 @@ def test_acceptance_counts_trials_up_to_the_first_rejection():
     record.record(drafted=10, accepted=3)  # 3 successes, then the 4th draft failed
     record.record(drafted=5, accepted=5)
     assert record.rate == 8 / 9
+
+
+def test_a_request_that_stopped_drafting_is_probed_again():
+    record = acceptance([(8, 0), (8, 0), (8, 0)])
+    policy, model = HorizonPolicy(None, 32), costs(0.3, 0.5, 0.015)
+    assert policy.choose(record, model) == 0
+    rounds = 0
+    while policy.choose(record, model) == 0:
+        record.record(0, 0)
+        rounds += 1
+    assert 0 < rounds < 40
