@@ -35,7 +35,13 @@ from decoder.draft_cache import DraftCache
 from decoder.generate import GenerationResult
 from decoder.horizon import Acceptance, CostModel, HorizonPolicy
 from decoder.kv_cache import KVCache
-from decoder.kv_source import FullKVSource, LocalKVSource, StagedCache, StagingArea
+from decoder.kv_source import (
+    FullKVSource,
+    LocalKVSource,
+    StagedCache,
+    StagingArea,
+    assemble_layer,
+)
 from decoder.runner import ModelRunner, SeqInput
 from decoder.sampling import Sampler, SamplingParams
 
@@ -254,16 +260,10 @@ class Engine:
 
     def _resident_copy(self, a: _Active) -> KVCache:
         """The prefix's full KV read into memory, followed by the request's tail."""
-        source, extra = a.req.prefix.source, len(a.tail) + a.remaining
-        cache = self.runner.new_cache(capacity=source.length + extra)
+        source = a.req.prefix.source
+        cache = self.runner.new_cache(capacity=source.length + len(a.tail) + a.remaining)
         for index, layer in enumerate(cache.layers):
-            n = source.length
-            source.read_layer(index, layer.k[:, :n], layer.v[:, :n])
-            tail = a.tail.layers[index]
-            t = len(a.tail)
-            layer.k[:, n:n + t], layer.v[:, n:n + t] = tail.k[:, :t], tail.v[:, :t]
-            layer.positions[: n + t] = torch.arange(n + t)
-            layer.length = n + t
+            assemble_layer(source, a.tail, index, len(a.tail), layer)
         return cache
 
     # -- lossy ------------------------------------------------------------------------------

@@ -67,6 +67,22 @@ class LocalKVSource:
         v_out.copy_(layer.v[:, : self._length])
 
 
+def assemble_layer(source: FullKVSource, tail: KVCache, index: int, tail_length: int,
+                   out: LayerKV) -> float:
+    """Write layer `index` of prefix + tail (its first `tail_length` tokens) into `out` as a
+    dense layer from position 0; returns the seconds spent reading the source."""
+    p, t = source.length, tail_length
+    t0 = time.perf_counter()
+    source.read_layer(index, out.k[:, :p], out.v[:, :p])
+    fetch_s = time.perf_counter() - t0
+    layer = tail.layers[index]
+    out.k[:, p:p + t] = layer.k[:, :t]
+    out.v[:, p:p + t] = layer.v[:, :t]
+    out.positions[: p + t] = torch.arange(p + t)
+    out.length, out.dense = p + t, True
+    return fetch_s
+
+
 class StagingArea:
     """One reusable buffer holding a single layer of full KV during exact passes.
 
@@ -128,14 +144,7 @@ class StagedCache:
     def layer(self, index: int) -> LayerKV:
         p, t = self.source.length, self._tail_length
         buf = self._staging.acquire(p + t + self._extra)
-        t0 = time.perf_counter()
-        self.source.read_layer(index, buf.k[:, :p], buf.v[:, :p])
-        self._staging.fetch_s += time.perf_counter() - t0
-        tail = self.tail.layers[index]
-        buf.k[:, p:p + t] = tail.k[:, :t]
-        buf.v[:, p:p + t] = tail.v[:, :t]
-        buf.positions[: p + t] = torch.arange(p + t)
-        buf.length = p + t
+        self._staging.fetch_s += assemble_layer(self.source, self.tail, index, t, buf)
         self._staged, self._start = buf, p + t
         return buf
 
