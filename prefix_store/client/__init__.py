@@ -1,0 +1,14 @@
+"""The client SDK of the prefix store (sync and asyncio)."""
+
+from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, rendezvous
+from prefix_store.client.sync import FetchHandle, PublishResult, StoreClient
+
+__all__ = [
+    "CachedPrefix",
+    "ChunkPlan",
+    "FetchHandle",
+    "PublishResult",
+    "StoreClient",
+    "Topology",
+    "rendezvous",
+]

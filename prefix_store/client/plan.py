@@ -1,0 +1,304 @@
+"""What the sync and async clients share: topology, placement, message building and the
+assembly of fetched segments into caller-owned tensors. No I/O here."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import google_crc32c
+import torch
+from vericache.v1 import prefix_store_pb2 as pb
+
+from prefix_store import wire
+from prefix_store.errors import InvalidArgument, NotFound, Unavailable
+from prefix_store.keys import chunk_keys, parent_keys
+from prefix_store.layout import KVLayout
+
+
+def rendezvous(placement_key: int, shard_ids: Sequence[str], replicas: int) -> list[str]:
+    """The `replicas` shards with the highest rendezvous scores for a key, best first.
+    Removing a shard only moves the keys it held, to the next shard in their order."""
+    key = placement_key.to_bytes(8, "big")
+
+    def score(shard_id: str) -> bytes:
+        return hashlib.blake2b(key + shard_id.encode(), digest_size=8).digest()
+
+    return sorted(shard_ids, key=score, reverse=True)[: max(1, replicas)]
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """What Describe said: the caller, its namespaces' salts and the live shards."""
+
+    tenant: str
+    salts: dict[str, bytes]
+    shards: dict[str, str]
+    """shard id -> address"""
+    replication: int
+
+    @classmethod
+    def from_proto(cls, response) -> Topology:
+        return cls(
+            tenant=response.tenant,
+            salts={n.name: n.salt for n in response.namespaces},
+            shards={s.shard_id: s.address for s in response.shards},
+            replication=max(1, response.replication),
+        )
+
+    def salt(self, namespace: str) -> bytes:
+        if namespace not in self.salts:
+            raise NotFound(f"namespace {namespace!r} not found")
+        return self.salts[namespace]
+
+    def owners(self, placement_key: int, exclude: frozenset = frozenset()) -> list[str]:
+        """Shards holding a chunk, best first, leaving out shards known to have failed."""
+        if not self.shards:
+            return []
+        ranked = rendezvous(placement_key, sorted(self.shards), len(self.shards))
+        owners = ranked[: self.replication]
+        return [s for s in owners if s not in exclude]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    index: int
+    key: int
+    parent: int
+    """Placement key: a chunk lives on the owners of its parent key, so every candidate
+    last chunk (full or partial) of a prefix is found on the same shards."""
+    start: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The cached part of a token sequence: what `fetch_layers` and artifacts need."""
+
+    namespace: str
+    layout: KVLayout
+    tokens: int
+    """Leading tokens whose KV the store holds (0 = miss)."""
+    chunks: tuple[ChunkPlan, ...]
+
+    @property
+    def key(self) -> int:
+        """Identifies the whole prefix (its last chunk's chained key); 0 on a miss."""
+        return self.chunks[-1].key if self.chunks else 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.layout.chunk_bytes(c.tokens) for c in self.chunks)
+
+
+def plan_chunks(tokens: Sequence[int], layout: KVLayout, salt: bytes) -> list[ChunkPlan]:
+    keys = chunk_keys(tokens, layout, salt)
+    parents = parent_keys(keys, layout, salt)
+    size = layout.chunk_tokens
+    return [
+        ChunkPlan(i, k, p, i * size, min(size, len(tokens) - i * size))
+        for i, (k, p) in enumerate(zip(keys, parents, strict=True))
+    ]
+
+
+def group_by_owner(
+    chunks: Sequence[ChunkPlan], topology: Topology, exclude: frozenset = frozenset()
+) -> dict[str, list[ChunkPlan]]:
+    """Chunks grouped by their best live owner."""
+    groups: dict[str, list[ChunkPlan]] = {}
+    for chunk in chunks:
+        owners = topology.owners(chunk.parent, exclude)
+        if not owners:
+            raise NotFound(f"chunk {chunk.index}: no live shard holds it")
+        groups.setdefault(owners[0], []).append(chunk)
+    return groups
+
+
+def split(items: list, parts: int) -> list[list]:
+    """`items` in up to `parts` contiguous, nearly equal runs."""
+    parts = max(1, min(parts, len(items)))
+    step, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + step + (i < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def as_layers(kv, layout: KVLayout, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Normalise a prefix's KV to per-layer (k, v), each [kv_heads, >= tokens, head_dim]."""
+    layers = list(kv)
+    if len(layers) != layout.num_layers:
+        raise InvalidArgument(f"kv: {len(layers)} layers given, layout has {layout.num_layers}")
+    out = []
+    for i, pair in enumerate(layers):
+        k, v = pair[0], pair[1]
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != layout.torch_dtype:
+                raise InvalidArgument(f"kv[{i}].{name}: dtype {t.dtype}, layout is {layout.dtype}")
+            if (
+                t.dim() != 3
+                or t.shape[0] != layout.num_kv_heads
+                or t.shape[2] != layout.head_dim
+                or t.shape[1] < tokens
+            ):
+                raise InvalidArgument(
+                    f"kv[{i}].{name}: shape {tuple(t.shape)}, expected "
+                    f"[{layout.num_kv_heads}, >={tokens}, {layout.head_dim}]"
+                )
+        out.append((k.detach().cpu().contiguous(), v.detach().cpu().contiguous()))
+    return out
+
+
+def segment_bytes(k: torch.Tensor, v: torch.Tensor, chunk: ChunkPlan) -> bytes:
+    """One layer of one chunk on the wire: K then V, [kv_heads, tokens, head_dim] each,
+    gathered from the per-head rows of contiguous k and v in one copy."""
+    end = chunk.start + chunk.tokens
+    views = [
+        memoryview(t[h, chunk.start : end].view(torch.uint8).numpy())
+        for t in (k, v)
+        for h in range(t.shape[0])
+    ]
+    return b"".join(views)
+
+
+def put_messages(
+    namespace: str,
+    layout: KVLayout,
+    tokens: Sequence[int],
+    chunks: Sequence[ChunkPlan],
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    message_bytes: int,
+) -> Iterator[bytes]:
+    """Serialised PutRequests: the header, layer-major segment batches of about
+    `message_bytes`, then the commit with each chunk's CRC-32C over its layer-major bytes."""
+    end = max(c.start + c.tokens for c in chunks)
+    header = pb.PutHeader(
+        namespace=namespace,
+        layout=layout.to_proto(pb),
+        token_ids=list(tokens[:end]),
+        chunk_indices=[c.index for c in chunks],
+    )
+    yield pb.PutRequest(header=header).SerializeToString()
+    crcs = [0] * len(chunks)
+    batch, size = [], 0
+    for layer, (k, v) in enumerate(layers):
+        for j, chunk in enumerate(chunks):
+            data = segment_bytes(k, v, chunk)
+            crcs[j] = google_crc32c.extend(crcs[j], data)
+            batch.append((layer, j, (data,)))
+            size += len(data)
+            if size >= message_bytes:
+                yield wire.put_segments(batch)
+                batch, size = [], 0
+    if batch:
+        yield wire.put_segments(batch)
+    yield pb.PutRequest(commit=pb.PutCommit(crc32c=crcs)).SerializeToString()
+
+
+def fetch_request(
+    prefix: CachedPrefix, chunks: Sequence[ChunkPlan], layer_start: int, layer_end: int,
+    message_bytes: int,
+) -> pb.FetchRequest:
+    return pb.FetchRequest(
+        namespace=prefix.namespace,
+        layout=prefix.layout.to_proto(pb),
+        chunks=[pb.ChunkRef(key=c.key, tokens=c.tokens) for c in chunks],
+        layer_start=layer_start,
+        layer_end=layer_end,
+        max_message_bytes=message_bytes,
+    )
+
+
+class Assembly:
+    """Fetched segments written into caller-owned `k_out`/`v_out`, each
+    [layers in range, kv_heads, >= prefix tokens, head_dim]; tracks complete layers.
+    Thread-safe; a segment delivered twice (after a failover) is written again, harmlessly."""
+
+    def __init__(self, prefix: CachedPrefix, k_out, v_out, layer_start: int, layer_end: int):
+        layout = prefix.layout
+        n = layer_end - layer_start
+        for name, t in (("k_out", k_out), ("v_out", v_out)):
+            if (
+                t.dtype != layout.torch_dtype
+                or t.dim() != 4
+                or t.shape[0] < n
+                or t.shape[1] != layout.num_kv_heads
+                or t.shape[2] < prefix.tokens
+                or t.shape[3] != layout.head_dim
+            ):
+                raise InvalidArgument(
+                    f"{name}: {t.dtype} {tuple(t.shape)}, expected {layout.dtype} "
+                    f"[>={n}, {layout.num_kv_heads}, >={prefix.tokens}, {layout.head_dim}]"
+                )
+        self.prefix, self.k_out, self.v_out = prefix, k_out, v_out
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self._done: set[tuple[int, int]] = set()
+        self._count = [0] * n
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.bytes = 0
+
+    def apply(self, chunks: Sequence[ChunkPlan], raw: bytes) -> None:
+        """Write the segments of one serialised FetchResponse (views, no parse copies)."""
+        layout = self.prefix.layout
+        for layer, index, data in wire.decode_segments(memoryview(raw)):
+            if not (0 <= index < len(chunks) and self.layer_start <= layer < self.layer_end):
+                raise InvalidArgument(f"fetch: unexpected segment (layer {layer}, chunk {index})")
+            chunk = chunks[index]
+            if len(data) != layout.segment_bytes(chunk.tokens):
+                raise InvalidArgument(f"fetch: segment of {len(data)} bytes for chunk {index}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read
+                both = torch.frombuffer(data, dtype=layout.torch_dtype)
+            both = both.view(2, layout.num_kv_heads, chunk.tokens, layout.head_dim)
+            row = layer - self.layer_start
+            end = chunk.start + chunk.tokens
+            self.k_out[row, :, chunk.start : end].copy_(both[0])
+            self.v_out[row, :, chunk.start : end].copy_(both[1])
+            self._mark(row, chunk.index, len(data))
+
+    def _mark(self, row: int, chunk_index: int, nbytes: int) -> None:
+        with self._cond:
+            if (row, chunk_index) in self._done:
+                return
+            self._done.add((row, chunk_index))
+            self.bytes += nbytes
+            self._count[row] += 1
+            if self._count[row] == len(self.prefix.chunks):
+                self._cond.notify_all()
+
+    def first_missing_layer(self, chunks: Sequence[ChunkPlan]) -> int:
+        """The first layer (absolute) some of `chunks` still lack."""
+        with self._cond:
+            for row in range(self.layer_end - self.layer_start):
+                if any((row, c.index) not in self._done for c in chunks):
+                    return self.layer_start + row
+            return self.layer_end
+
+    def layer_ready(self, layer: int) -> bool:
+        with self._cond:
+            return self._count[layer - self.layer_start] == len(self.prefix.chunks)
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self.error = self.error or error
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int, timeout: float) -> None:
+        """Block until `layer` is complete; re-raise the transfer's failure."""
+        row = layer - self.layer_start
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self.error is not None
+                or self._count[row] == len(self.prefix.chunks),
+                timeout,
+            )
+            if self.error is not None:
+                raise self.error
+            if not ok:
+                raise Unavailable(f"fetch: layer {layer} did not arrive within {timeout:.0f} s")

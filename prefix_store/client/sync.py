@@ -1,0 +1,450 @@
+"""The synchronous client SDK: chunking, placement, retries and failover hidden behind
+`lookup`, `publish_prefix`, `fetch_layers`/`start_fetch` and artifact calls.
+
+Thread-safe. Every call has a deadline (`ClientConfig`). Transfers run on parallel
+streams (one set per shard, `streams_per_shard` each, on separate connections) straight
+into caller-owned tensors; a stream that fails with UNAVAILABLE, DATA_LOSS or NOT_FOUND
+continues from its first incomplete layer on the next replica of its chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import google_crc32c
+import grpc
+from vericache.v1 import prefix_store_pb2 as pb
+from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
+
+from prefix_store.client.plan import (
+    Assembly,
+    CachedPrefix,
+    ChunkPlan,
+    Topology,
+    as_layers,
+    fetch_request,
+    group_by_owner,
+    plan_chunks,
+    put_messages,
+    split,
+)
+from prefix_store.client.retry import retrying, rpc_error
+from prefix_store.config import ClientConfig
+from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
+from prefix_store.layout import KVLayout
+from prefix_store.shard import validate_tokens
+
+log = logging.getLogger(__name__)
+FAILOVER_FETCH = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND,
+     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+PUT_METHOD = "/vericache.v1.PrefixStore/Put"
+FETCH_METHOD = "/vericache.v1.PrefixStore/Fetch"
+
+
+def _same(raw: bytes) -> bytes:
+    return raw
+
+
+def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.http2.lookahead_bytes", config.window_bytes),
+        ("grpc.http2.bdp_probe", 1),
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def artifact_placement(prefix_key: int, spec: str) -> int:
+    digest = hashlib.blake2b(prefix_key.to_bytes(8, "big") + spec.encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    prefix: CachedPrefix
+    stored_bytes: int
+    """Bytes newly stored, replicas included (chunks already present cost nothing)."""
+    missing_replicas: int
+    """Chunk copies that could not be placed (their shard was down); each chunk has >= 1."""
+
+
+class FetchHandle:
+    """A transfer in flight. `wait_layer(i)` blocks until layer i is in the outputs, so a
+    consumer can compute on layer i while later layers arrive; `wait()` for all."""
+
+    def __init__(self, assembly: Assembly, timeout_s: float) -> None:
+        self.assembly = assembly
+        self.timeout_s = timeout_s
+        self._calls: list = []
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def track(self, call) -> None:
+        with self._lock:
+            self._calls.append(call)
+            if self.cancelled:
+                call.cancel()
+
+    def wait_layer(self, layer: int) -> None:
+        self.assembly.wait_layer(layer, self.timeout_s)
+
+    def wait(self) -> int:
+        """Block until every layer arrived; returns the bytes received."""
+        for layer in range(self.assembly.layer_start, self.assembly.layer_end):
+            self.wait_layer(layer)
+        return self.assembly.bytes
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            for call in self._calls:
+                call.cancel()
+
+
+class StoreClient:
+    def __init__(
+        self, endpoints: str | Sequence[str], token: str, config: ClientConfig | None = None
+    ) -> None:
+        self.config = config or ClientConfig()
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise InvalidArgument("endpoints: at least one host:port is required")
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._channels: dict[tuple[str, int], grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="store-client")
+        self.topology = self.describe()
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def _channel(self, address: str, lane: int = 0) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get((address, lane))
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=channel_options(self.config))
+                self._channels[(address, lane)] = channel
+        return channel
+
+    def _stub(self, address: str, lane: int = 0) -> pb_grpc.PrefixStoreStub:
+        return pb_grpc.PrefixStoreStub(self._channel(address, lane))
+
+    def _bulk_put(self, address: str, lane: int):
+        """Put taking serialised requests (built by `plan.put_messages`)."""
+        return self._channel(address, lane).stream_unary(
+            PUT_METHOD, request_serializer=_same, response_deserializer=pb.PutResponse.FromString
+        )
+
+    def _bulk_fetch(self, address: str, lane: int):
+        """Fetch returning serialised responses (parsed by `Assembly.apply`)."""
+        return self._channel(address, lane).unary_stream(
+            FETCH_METHOD,
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=_same,
+        )
+
+    def _address(self, shard_id: str) -> str:
+        return self.topology.shards[shard_id]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> Topology:
+        """Ask any endpoint (or known shard) who we are and which shards are live."""
+        known = list(getattr(self, "topology", None).shards.values()) if hasattr(self, "topology") else []
+        targets = list(dict.fromkeys(self.endpoints + known))
+        response = retrying(
+            self.config,
+            targets,
+            lambda address: self._stub(address).Describe(
+                pb.DescribeRequest(), metadata=self._metadata, timeout=self.config.timeout_s
+            ),
+        )
+        self.topology = Topology.from_proto(response)
+        if not self.topology.shards:
+            raise Unavailable("the store has no live shards")
+        return self.topology
+
+    def _unary(self, shard_ids: Sequence[str], method: str, request):
+        def call(shard_id: str):
+            stub = self._stub(self._address(shard_id))
+            return getattr(stub, method)(request, metadata=self._metadata, timeout=self.config.timeout_s)
+
+        return retrying(self.config, list(shard_ids), call)
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], layout: KVLayout, namespace: str = "") -> CachedPrefix:
+        """The longest cached prefix of `tokens` in `namespace` (tokens == 0 on a miss)."""
+        ids = validate_tokens(tokens)
+        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
+        if not chunks:
+            return CachedPrefix(namespace, layout, 0, ())
+        answers = self._lookup_all(ids, layout, namespace, chunks)
+        cached: list[ChunkPlan] = []
+        for chunk in chunks:
+            response = answers[chunk.index]
+            if chunk.index in set(response.present):
+                cached.append(chunk)
+                continue
+            if response.partial_tokens and response.partial_index == chunk.index:
+                partial = ChunkPlan(
+                    chunk.index, response.partial_key, chunk.parent, chunk.start,
+                    response.partial_tokens,
+                )
+                cached.append(partial)
+            break
+        tokens_cached = sum(c.tokens for c in cached)
+        return CachedPrefix(namespace, layout, tokens_cached, tuple(cached))
+
+    def _lookup_all(self, ids, layout, namespace, chunks) -> dict[int, object]:
+        """Each chunk index -> the Lookup answer of its best live owner."""
+        groups = group_by_owner(chunks, self.topology)
+        jobs = {}
+        for shard_id, group in groups.items():
+            end = max(c.start + c.tokens for c in group)
+            request = pb.LookupRequest(
+                namespace=namespace,
+                layout=layout.to_proto(pb),
+                token_ids=ids[:end],
+                chunk_indices=[c.index for c in group],
+            )
+            owners = [shard_id] + [
+                s for s in self.topology.owners(group[0].parent) if s != shard_id
+            ]
+            jobs[self._pool.submit(self._unary, owners, "Lookup", request)] = group
+        answers = {}
+        for job, group in jobs.items():
+            response = job.result()
+            for chunk in group:
+                answers[chunk.index] = response
+        return answers
+
+    # ---- publish --------------------------------------------------------------------------
+
+    def publish_prefix(
+        self, tokens: Sequence[int], kv, layout: KVLayout, namespace: str = ""
+    ) -> PublishResult:
+        """Store the KV of `tokens` (per layer (k, v), each [kv_heads, >= len(tokens),
+        head_dim], or a tensor [layers, 2, kv_heads, tokens, head_dim]) on every owner of
+        every chunk. Each shard's part is a two-phase put: all of it or nothing."""
+        ids = validate_tokens(tokens)
+        if not ids:
+            raise InvalidArgument("tokens: at least one token is required")
+        layers = as_layers(kv, layout, len(ids))
+        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
+        placement: dict[str, list[ChunkPlan]] = {}
+        for chunk in chunks:
+            for shard_id in self.topology.owners(chunk.parent):
+                placement.setdefault(shard_id, []).append(chunk)
+        jobs = {}
+        for shard_id, group in placement.items():
+            for lane, part in enumerate(split(group, self.config.streams_per_shard)):
+                job = self._pool.submit(self._put, shard_id, lane, namespace, layout, ids, part, layers)
+                jobs[job] = (shard_id, part)
+        return self._publish_result(jobs, chunks, namespace, layout)
+
+    def _publish_result(self, jobs, chunks, namespace, layout) -> PublishResult:
+        stored, placed, failures = 0, {c.index: 0 for c in chunks}, []
+        for job, (shard_id, part) in jobs.items():
+            try:
+                stored += job.result()
+            except Unavailable as error:
+                failures.append(error)
+                log.warning("publish: shard %s unavailable: %s", shard_id, error)
+                continue
+            for chunk in part:
+                placed[chunk.index] += 1
+        if any(n == 0 for n in placed.values()):
+            raise failures[0] if failures else Unavailable("publish: a chunk found no shard")
+        missing = sum(self.topology.replication - n for n in placed.values())
+        prefix = CachedPrefix(namespace, layout, sum(c.tokens for c in chunks), tuple(chunks))
+        return PublishResult(prefix, stored, max(0, missing))
+
+    def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
+        def call(target: str) -> int:
+            put = self._bulk_put(self._address(target), lane)
+            messages = put_messages(namespace, layout, ids, chunks, layers, self.config.message_bytes)
+            response = put(messages, metadata=self._metadata, timeout=self.config.stream_timeout_s)
+            return response.stored_bytes
+
+        return retrying(self.config, [shard_id], call)
+
+    # ---- fetch ----------------------------------------------------------------------------
+
+    def start_fetch(
+        self,
+        prefix: CachedPrefix,
+        k_out,
+        v_out,
+        layer_start: int = 0,
+        layer_end: int | None = None,
+    ) -> FetchHandle:
+        """Begin streaming layers [layer_start, layer_end) of the cached prefix into
+        `k_out`/`v_out` ([layers in range, kv_heads, >= prefix.tokens, head_dim] each, row 0
+        = layer_start). Returns at once; the handle says when each layer is complete."""
+        layer_end = prefix.layout.num_layers if layer_end is None else layer_end
+        if not 0 <= layer_start < layer_end <= prefix.layout.num_layers:
+            raise InvalidArgument(f"layers: [{layer_start}, {layer_end}) out of range")
+        if not prefix.chunks:
+            raise NotFound("fetch: the prefix has no cached chunks")
+        assembly = Assembly(prefix, k_out, v_out, layer_start, layer_end)
+        handle = FetchHandle(assembly, self.config.stream_timeout_s)
+        self._spread(handle, list(prefix.chunks), layer_start, frozenset())
+        return handle
+
+    def fetch_layers(self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None) -> int:
+        """`start_fetch` and wait; returns the bytes received."""
+        return self.start_fetch(prefix, k_out, v_out, layer_start, layer_end).wait()
+
+    def iter_layers(self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None) -> Iterator[int]:
+        """Yield each layer index as soon as it is complete in the outputs."""
+        handle = self.start_fetch(prefix, k_out, v_out, layer_start, layer_end)
+        try:
+            for layer in range(handle.assembly.layer_start, handle.assembly.layer_end):
+                handle.wait_layer(layer)
+                yield layer
+        finally:
+            handle.cancel()
+
+    def _spread(self, handle: FetchHandle, chunks, layer_from: int, failed: frozenset) -> None:
+        """Start streams for `chunks` from `layer_from` on their best owners not in `failed`."""
+        try:
+            groups = group_by_owner(chunks, self.topology, failed)
+        except NotFound as error:
+            handle.assembly.fail(Unavailable(f"fetch: {error} (tried {sorted(failed)})"))
+            return
+        for shard_id, group in groups.items():
+            for lane, part in enumerate(split(group, self.config.streams_per_shard)):
+                self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
+
+    def _stream(self, handle: FetchHandle, shard_id, lane, chunks, layer_from, failed) -> None:
+        assembly = handle.assembly
+        request = fetch_request(
+            assembly.prefix, chunks, layer_from, assembly.layer_end, self.config.message_bytes
+        )
+        try:
+            call = self._bulk_fetch(self._address(shard_id), lane)(
+                request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+            )
+            handle.track(call)
+            for response in call:
+                assembly.apply(chunks, response)
+        except grpc.RpcError as error:
+            if handle.cancelled:
+                return
+            if error.code() not in FAILOVER_FETCH:
+                assembly.fail(rpc_error(error))
+                return
+            log.warning("fetch: shard %s failed (%s); continuing from a replica", shard_id, error.code())
+            resume = assembly.first_missing_layer(chunks)
+            self._spread(handle, chunks, resume, failed | {shard_id})
+        except (StoreError, ValueError, RuntimeError) as error:
+            assembly.fail(error)
+
+    # ---- artifacts, delete, stats ---------------------------------------------------------
+
+    def _artifact_id(self, prefix: CachedPrefix, spec: str) -> pb.ArtifactId:
+        return pb.ArtifactId(
+            namespace=prefix.namespace,
+            layout=prefix.layout.to_proto(pb),
+            prefix_key=prefix.key,
+            prefix_tokens=prefix.tokens,
+            compressor=spec,
+        )
+
+    def put_artifact(self, prefix: CachedPrefix, spec: str, data: bytes) -> int:
+        """Store a compressed artifact of a cached prefix on all its owners."""
+        ident = self._artifact_id(prefix, spec)
+        owners = self.topology.owners(artifact_placement(prefix.key, spec))
+        step = self.config.message_bytes
+
+        def messages():
+            yield pb.PutArtifactRequest(id=ident)
+            for start in range(0, len(data), step):
+                yield pb.PutArtifactRequest(data=data[start : start + step])
+            yield pb.PutArtifactRequest(crc32c=google_crc32c.value(bytes(data)))
+
+        def put(shard_id: str) -> int:
+            def call(target: str) -> int:
+                stub = self._stub(self._address(target))
+                return stub.PutArtifact(
+                    messages(), metadata=self._metadata, timeout=self.config.stream_timeout_s
+                ).stored_bytes
+
+            return retrying(self.config, [shard_id], call)
+
+        results = [self._pool.submit(put, s) for s in owners]
+        stored, errors = 0, []
+        for job in results:
+            try:
+                stored += job.result()
+            except Unavailable as error:
+                errors.append(error)
+        if len(errors) == len(results):
+            raise errors[0]
+        return stored
+
+    def fetch_artifact(self, prefix: CachedPrefix, spec: str) -> bytes | None:
+        """The artifact's bytes, or None when no owner holds it."""
+        ident = self._artifact_id(prefix, spec)
+        request = pb.FetchArtifactRequest(id=ident, max_message_bytes=self.config.message_bytes)
+        for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
+            try:
+                return self._fetch_artifact_from(shard_id, request)
+            except (NotFound, Unavailable, StoreError) as error:
+                if not isinstance(error, NotFound | Unavailable) and "checksum" not in str(error):
+                    raise
+        return None
+
+    def _fetch_artifact_from(self, shard_id: str, request) -> bytes:
+        def call(target: str) -> bytes:
+            stub = self._stub(self._address(target))
+            parts, crc = [], None
+            for message in stub.FetchArtifact(
+                request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+            ):
+                parts.append(message.data)
+                if message.crc32c:
+                    crc = message.crc32c
+            data = b"".join(parts)
+            if crc is None or google_crc32c.value(data) != crc:
+                raise Unavailable("fetch_artifact: the artifact arrived corrupted")
+            return data
+
+        return retrying(self.config, [shard_id], call)
+
+    def delete_prefix(self, tokens: Sequence[int], layout: KVLayout, namespace: str = "") -> int:
+        """Delete the prefix's chunks and artifacts on every shard; returns bytes freed."""
+        request = pb.DeleteRequest(
+            namespace=namespace, layout=layout.to_proto(pb), token_ids=validate_tokens(tokens)
+        )
+        jobs = [self._pool.submit(self._unary, [s], "Delete", request) for s in self.topology.shards]
+        return sum(job.result().bytes for job in jobs)
+
+    def stats(self) -> list[pb.StatsResponse]:
+        jobs = [
+            self._pool.submit(self._unary, [s], "Stats", pb.StatsRequest())
+            for s in sorted(self.topology.shards)
+        ]
+        return [job.result() for job in jobs]

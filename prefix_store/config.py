@@ -1,0 +1,86 @@
+"""One typed config per component of the store: shard, server, metadata plane, client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfig:
+    """A shard: its tiers and its gRPC server."""
+
+    shard_id: str = "shard-0"
+    """Stable name; a restarted shard with the same id and disk_dir finds its disk tier."""
+    memory_bytes: int = 4 * GiB
+    """Capacity of the memory tier (LRU)."""
+    disk_bytes: int = 0
+    """Capacity of the disk tier; 0 disables spilling (evicted chunks are dropped)."""
+    disk_dir: Path | None = None
+    """Where the disk tier keeps its files (required when disk_bytes > 0)."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds (0.0.0.0 on a cluster) and advertises."""
+    advertise_host: str | None = None
+    """Host clients should dial, when it differs from `host` (e.g. the node IP)."""
+    port: int = 0
+    """0 picks a free port."""
+    message_bytes: int = 4 * MiB
+    """Target size of one Fetch message (segments are batched up to it)."""
+    max_message_bytes: int = 64 * MiB
+    """Largest gRPC message accepted or sent."""
+    max_put_bytes: int = 8 * GiB
+    """Largest single Put or PutArtifact stream."""
+    workers: int = 32
+    """gRPC server threads (concurrent RPCs)."""
+    grace_s: float = 2.0
+    """Graceful shutdown: in-flight RPCs get this long to finish."""
+    heartbeat_s: float = 1.0
+    """Membership heartbeat period; the registration lives for `ttl_s`."""
+    ttl_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("memory_bytes and disk_bytes must be >= 0")
+        if self.disk_bytes > 0 and self.disk_dir is None:
+            raise ValueError("disk_dir is required when disk_bytes > 0")
+        if not 64 * 1024 <= self.message_bytes <= self.max_message_bytes:
+            raise ValueError("message_bytes must be in [64 KiB, max_message_bytes]")
+        if self.ttl_s <= self.heartbeat_s:
+            raise ValueError("ttl_s must exceed heartbeat_s")
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise_host or self.host
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """The client SDK: deadlines, retries, transfer tuning."""
+
+    timeout_s: float = 30.0
+    """Deadline of every unary call."""
+    stream_timeout_s: float = 300.0
+    """Deadline of every streaming call (Put, Fetch)."""
+    retries: int = 4
+    """Attempts per call on UNAVAILABLE, across replicas, before giving up."""
+    backoff_s: float = 0.05
+    """First backoff; doubles per attempt up to `max_backoff_s`."""
+    max_backoff_s: float = 1.0
+    message_bytes: int = 4 * MiB
+    """Target size of Put messages and of requested Fetch messages."""
+    max_message_bytes: int = 64 * MiB
+    streams_per_shard: int = 2
+    """Parallel Fetch/Put streams to one shard (each carries a share of the chunks)."""
+    window_bytes: int = 16 * MiB
+    """HTTP/2 flow-control window per stream and connection (larger = fewer stalls)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.stream_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.retries < 1:
+            raise ValueError("retries must be >= 1")
+        if self.streams_per_shard < 1:
+            raise ValueError("streams_per_shard must be >= 1")

@@ -1,0 +1,43 @@
+"""Typed store errors. Each maps to exactly one gRPC status code (see `status.py`).
+
+A miss is not an error: lookups return what they found. These are failures the caller
+must handle; every message names the field or object at fault.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of every error the prefix store raises on purpose."""
+
+
+class InvalidArgument(StoreError):
+    """A malformed request: bad shape, dtype, size, layout or an oversized message."""
+
+
+class NotFound(StoreError):
+    """Absent, or not visible to the caller (another tenant's data looks absent)."""
+
+
+class Unauthenticated(StoreError):
+    """Missing, malformed or unknown bearer token."""
+
+
+class QuotaExceeded(StoreError):
+    """A tenant's stored bytes would exceed its quota; the message carries the usage."""
+
+
+class StoreFull(StoreError):
+    """Neither tier can take the data right now (everything left is leased)."""
+
+
+class Unavailable(StoreError):
+    """A shard or the metadata plane cannot be reached; retrying elsewhere may work."""
+
+
+class DataLoss(StoreError):
+    """Stored bytes failed their checksum; the chunk has been dropped (now a miss)."""
+
+
+class Aborted(StoreError):
+    """A two-phase put ended before its commit; nothing of it was stored."""

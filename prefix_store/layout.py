@@ -1,0 +1,103 @@
+"""The KV layout: what the bytes of a chunk mean, and their sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefix_store.errors import InvalidArgument
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_CHUNK_TOKENS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Model identity and KV geometry. A chunk is layer-major: per layer K then V,
+    each [num_kv_heads, tokens, head_dim] in `dtype`."""
+
+    model_id: str
+    """Model identity, e.g. "SmolLM2-135M-Instruct@<weights digest>"."""
+    dtype: str
+    """One of DTYPES."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_tokens: int = 256
+    """Tokens per full chunk; a prefix's last chunk may be shorter."""
+
+    def __post_init__(self) -> None:
+        if not self.model_id or len(self.model_id) > 256:
+            raise InvalidArgument("layout.model_id: must be 1-256 characters")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(
+                f"layout.dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}"
+            )
+        for name, top in (
+            ("num_layers", MAX_LAYERS),
+            ("num_kv_heads", MAX_HEADS),
+            ("head_dim", MAX_HEAD_DIM),
+            ("chunk_tokens", MAX_CHUNK_TOKENS),
+        ):
+            value = getattr(self, name)
+            if not 1 <= value <= top:
+                raise InvalidArgument(f"layout.{name}: {value} is not in [1, {top}]")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    def half_bytes(self, tokens: int) -> int:
+        """Bytes of K (or V) of one layer for `tokens` tokens."""
+        return self.num_kv_heads * tokens * self.head_dim * self.itemsize
+
+    def segment_bytes(self, tokens: int) -> int:
+        """Bytes of one layer of one chunk (K then V)."""
+        return 2 * self.half_bytes(tokens)
+
+    def chunk_bytes(self, tokens: int) -> int:
+        return self.num_layers * self.segment_bytes(tokens)
+
+    def identity(self) -> tuple:
+        """What seeds the chunk keys (everything that changes the meaning of the bytes)."""
+        return (
+            self.model_id,
+            self.dtype,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.chunk_tokens,
+        )
+
+    def to_proto(self, pb) -> object:
+        return pb.KVLayout(
+            model_id=self.model_id,
+            dtype=self.dtype,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            chunk_tokens=self.chunk_tokens,
+        )
+
+    @classmethod
+    def from_proto(cls, message) -> KVLayout:
+        return cls(
+            model_id=message.model_id,
+            dtype=message.dtype,
+            num_layers=message.num_layers,
+            num_kv_heads=message.num_kv_heads,
+            head_dim=message.head_dim,
+            chunk_tokens=message.chunk_tokens,
+        )

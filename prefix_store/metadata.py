@@ -1,0 +1,212 @@
+"""The metadata plane in Redis: shard membership, tenants, shared namespaces, usage.
+
+Only small, soft state lives here; no KV bytes ever do. Shards re-write their membership
+and usage on every heartbeat, so a restarted Redis is repopulated within one heartbeat.
+Tenants and namespaces are durable only as far as Redis persists them (the embedded
+Redis runs with an append-only file).
+
+Keys (prefix "vc:"):
+  vc:shard:<id>            JSON {address, ...stats}, expires after the shard's TTL
+  vc:usage:<id>            hash tenant -> bytes stored on that shard, same TTL
+  vc:tenant:<name>         hash {quota, salt, created}
+  vc:tenants               set of tenant names
+  vc:token:<sha256>        tenant name
+  vc:ns:<name>             hash {salt, created} of a shared namespace
+  vc:ns:<name>:members     set of tenant names
+  vc:config                hash {replication}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis
+
+from prefix_store.errors import InvalidArgument, Unavailable
+from prefix_store.namespace import Namespace
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def check_name(kind: str, name: str) -> str:
+    if not NAME.match(name):
+        raise InvalidArgument(
+            f"{kind} name {name!r}: use 1-63 of a-z 0-9 _ . - (starting with a letter or digit)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRecord:
+    shard_id: str
+    address: str
+    info: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    quota: int
+    """Bytes the tenant may store (replicas included); 0 = unlimited."""
+    namespaces: dict[str, Namespace]
+    """What the tenant may use, by the name it writes: "" is its private namespace."""
+
+
+class Metadata:
+    def __init__(self, url: str, prefix: str = "vc") -> None:
+        self.url = url
+        self.p = prefix
+        self.redis = redis.Redis.from_url(
+            url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=10
+        )
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except redis.RedisError as error:
+            raise Unavailable(f"metadata plane (Redis at {self.url}) unreachable: {error}") from error
+
+    def ping(self) -> bool:
+        return bool(self._call(self.redis.ping))
+
+    # ---- shards -------------------------------------------------------------------------
+
+    def heartbeat(self, shard_id: str, address: str, info: dict, usage: dict, ttl_s: float):
+        def write():
+            pipe = self.redis.pipeline()
+            ttl_ms = int(ttl_s * 1000)
+            record = json.dumps({"address": address, **info})
+            pipe.set(f"{self.p}:shard:{shard_id}", record, px=ttl_ms)
+            pipe.delete(f"{self.p}:usage:{shard_id}")
+            if usage:
+                pipe.hset(f"{self.p}:usage:{shard_id}", mapping=usage)
+                pipe.pexpire(f"{self.p}:usage:{shard_id}", ttl_ms)
+            pipe.execute()
+
+        self._call(write)
+
+    def deregister(self, shard_id: str) -> None:
+        self._call(self.redis.delete, f"{self.p}:shard:{shard_id}", f"{self.p}:usage:{shard_id}")
+
+    def shards(self) -> list[ShardRecord]:
+        def read():
+            keys = sorted(self.redis.scan_iter(match=f"{self.p}:shard:*", count=1000))
+            values = self.redis.mget(keys) if keys else []
+            out = []
+            for key, value in zip(keys, values, strict=True):
+                if value is None:
+                    continue
+                info = json.loads(value)
+                shard_id = key.decode().split(":", 2)[2]
+                out.append(ShardRecord(shard_id, info.pop("address"), info))
+            return out
+
+        return self._call(read)
+
+    def usage(self, exclude_shard: str | None = None) -> dict[str, int]:
+        """Bytes per tenant over the live shards (optionally leaving one out)."""
+
+        def read():
+            total: dict[str, int] = {}
+            for shard in self.shards():
+                if shard.shard_id == exclude_shard:
+                    continue
+                for tenant, value in self.redis.hgetall(f"{self.p}:usage:{shard.shard_id}").items():
+                    total[tenant.decode()] = total.get(tenant.decode(), 0) + int(value)
+            return total
+
+        return self._call(read)
+
+    def replication(self) -> int:
+        value = self._call(self.redis.hget, f"{self.p}:config", "replication")
+        return int(value) if value else 0
+
+    def set_replication(self, factor: int) -> None:
+        self._call(self.redis.hset, f"{self.p}:config", "replication", int(factor))
+
+    # ---- tenants and namespaces -----------------------------------------------------------
+
+    def add_tenant(self, name: str, quota: int = 0) -> str:
+        """Create a tenant; returns its bearer token (shown once, stored only hashed)."""
+        check_name("tenant", name)
+        if quota < 0:
+            raise InvalidArgument("quota: must be >= 0 bytes (0 = unlimited)")
+        token = "vc_" + secrets.token_urlsafe(32)
+
+        def write():
+            if not self.redis.sadd(f"{self.p}:tenants", name):
+                raise InvalidArgument(f"tenant {name!r} already exists")
+            self.redis.hset(
+                f"{self.p}:tenant:{name}",
+                mapping={"quota": quota, "salt": secrets.token_hex(16), "created": time.time()},
+            )
+            self.redis.set(f"{self.p}:token:{token_digest(token)}", name)
+
+        self._call(write)
+        return token
+
+    def set_quota(self, name: str, quota: int) -> None:
+        self._require_tenant(name)
+        self._call(self.redis.hset, f"{self.p}:tenant:{name}", "quota", int(quota))
+
+    def _require_tenant(self, name: str) -> None:
+        if not self._call(self.redis.sismember, f"{self.p}:tenants", name):
+            raise InvalidArgument(f"tenant {name!r} does not exist")
+
+    def add_shared(self, namespace: str, members: list[str]) -> None:
+        """Create (or extend) a shared namespace that `members` may read and write."""
+        check_name("namespace", namespace)
+        for member in members:
+            self._require_tenant(member)
+
+        def write():
+            self.redis.hsetnx(f"{self.p}:ns:{namespace}", "salt", secrets.token_hex(16))
+            self.redis.sadd(f"{self.p}:namespaces", namespace)
+            if members:
+                self.redis.sadd(f"{self.p}:ns:{namespace}:members", *members)
+
+        self._call(write)
+
+    def remove_member(self, namespace: str, member: str) -> None:
+        self._call(self.redis.srem, f"{self.p}:ns:{namespace}:members", member)
+
+    def tenant_names(self) -> list[str]:
+        return sorted(m.decode() for m in self._call(self.redis.smembers, f"{self.p}:tenants"))
+
+    def shared_namespaces(self) -> dict[str, list[str]]:
+        def read():
+            names = sorted(n.decode() for n in self.redis.smembers(f"{self.p}:namespaces"))
+            return {
+                n: sorted(m.decode() for m in self.redis.smembers(f"{self.p}:ns:{n}:members"))
+                for n in names
+            }
+
+        return self._call(read)
+
+    def tenant(self, name: str) -> Tenant | None:
+        def read():
+            fields = self.redis.hgetall(f"{self.p}:tenant:{name}")
+            if not fields:
+                return None
+            spaces = {"": Namespace(f"tenant:{name}", "", bytes.fromhex(fields[b"salt"].decode()))}
+            for shared in self.redis.smembers(f"{self.p}:namespaces"):
+                shared = shared.decode()
+                if self.redis.sismember(f"{self.p}:ns:{shared}:members", name):
+                    salt = self.redis.hget(f"{self.p}:ns:{shared}", "salt")
+                    spaces[shared] = Namespace(f"shared:{shared}", shared, bytes.fromhex(salt.decode()))
+            return Tenant(name, int(fields[b"quota"]), spaces)
+
+        return self._call(read)
+
+    def tenant_of_token(self, token: str) -> Tenant | None:
+        name = self._call(self.redis.get, f"{self.p}:token:{token_digest(token)}")
+        return self.tenant(name.decode()) if name else None

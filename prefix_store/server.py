@@ -1,0 +1,370 @@
+"""The shard's gRPC server: the `vericache.v1.PrefixStore` service over one `Shard`.
+
+`ShardServer` bundles the shard, its server (with health checking and reflection) and the
+membership heartbeat. Every handler authenticates the caller, resolves its namespace and
+maps store errors to status codes through `status.code_of` (never UNKNOWN).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from vericache.v1 import prefix_store_pb2 as pb
+from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
+
+from prefix_store import wire
+from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
+from prefix_store.blob import crc32c
+from prefix_store.config import ShardConfig
+from prefix_store.errors import Aborted, InvalidArgument
+from prefix_store.layout import KVLayout
+from prefix_store.metadata import Metadata
+from prefix_store.shard import ChunkRef, Shard
+from prefix_store.status import code_of
+
+log = logging.getLogger(__name__)
+SERVICE = "vericache.v1.PrefixStore"
+MAX_CHUNKS_PER_FETCH = 1 << 16
+MAX_SPEC = 256
+
+
+def _fail(context: grpc.ServicerContext, error: Exception):
+    code = code_of(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in a PrefixStore handler")
+    context.abort(code, str(error) or type(error).__name__)
+
+
+def unary(method):
+    @functools.wraps(method)
+    def handler(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - every failure gets a precise status
+            _fail(context, error)
+
+    return handler
+
+
+def streaming(method):
+    @functools.wraps(method)
+    def handler(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except Exception as error:  # noqa: BLE001
+            _fail(context, error)
+
+    return handler
+
+
+def layout_of(message) -> KVLayout:
+    if not message.HasField("layout"):
+        raise InvalidArgument("layout: required")
+    return KVLayout.from_proto(message.layout)
+
+
+class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
+    def __init__(self, shard: Shard, metadata: Metadata, config: ShardConfig) -> None:
+        self.shard = shard
+        self.metadata = metadata
+        self.config = config
+        self.auth = Authenticator(metadata)
+        self.quota = QuotaGuard(metadata, config.shard_id, shard.usage)
+
+    def _caller(self, context, namespace: str | None = None):
+        tenant = self.auth.tenant(context.invocation_metadata())
+        return tenant, (namespace_of(tenant, namespace) if namespace is not None else None)
+
+    @unary
+    def Describe(self, request, context):
+        tenant, _ = self._caller(context)
+        shards = self.metadata.shards()
+        replication = self.metadata.replication() or min(2, max(1, len(shards)))
+        return pb.DescribeResponse(
+            tenant=tenant.name,
+            namespaces=[pb.NamespaceInfo(name=n.name, salt=n.salt) for n in tenant.namespaces.values()],
+            shards=[pb.ShardInfo(shard_id=s.shard_id, address=s.address) for s in shards],
+            replication=min(replication, max(1, len(shards))),
+            max_message_bytes=self.config.max_message_bytes,
+        )
+
+    @unary
+    def Lookup(self, request, context):
+        _, space = self._caller(context, request.namespace)
+        result = self.shard.lookup(
+            space, layout_of(request), request.token_ids, request.chunk_indices
+        )
+        return pb.LookupResponse(
+            chunk_keys=result.keys,
+            present=result.present,
+            partial_index=result.partial_index,
+            partial_tokens=result.partial_tokens,
+            partial_key=result.partial_key,
+            cached_tokens=result.cached_tokens,
+        )
+
+    @unary
+    def Put(self, request_iterator, context):
+        """Requests arrive serialised (see `wire`): segments are parsed without copies."""
+        session = None
+        for raw in request_iterator:
+            part, value = wire.decode_put(raw)
+            if session is None:
+                if part != "header":
+                    raise InvalidArgument("put: the first message must be a header")
+                session = self._begin_put(pb.PutHeader.FromString(value), context)
+            elif part == "segments":
+                for layer, chunk, data in value:
+                    session.add(layer, chunk, data)
+            elif part == "commit":
+                keys, stored = session.commit(list(pb.PutCommit.FromString(value).crc32c))
+                return pb.PutResponse(chunk_keys=keys, stored_bytes=stored)
+            else:
+                raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
+        raise Aborted("put: the stream ended before its commit; nothing was stored")
+
+    def _begin_put(self, header, context):
+        tenant, space = self._caller(context, header.namespace)
+        return self.shard.begin_put(
+            space, layout_of(header), header.token_ids, header.chunk_indices,
+            tenant.name, self.quota,
+        )
+
+    @streaming
+    def Fetch(self, request, context):
+        _, space = self._caller(context, request.namespace)
+        layout = layout_of(request)
+        if not 0 < len(request.chunks) <= MAX_CHUNKS_PER_FETCH:
+            raise InvalidArgument(f"chunks: between 1 and {MAX_CHUNKS_PER_FETCH} required")
+        message_bytes = self._message_bytes(request.max_message_bytes)
+        end = request.layer_end or layout.num_layers
+        refs = [ChunkRef(c.key, c.tokens) for c in request.chunks]
+        for batch in self.shard.fetch(space, layout, refs, request.layer_start, end, message_bytes):
+            # Serialised here (see `wire`): one copy of the stored bytes into the message.
+            yield wire.fetch_response([(lyr, c, (d,)) for lyr, c, d in batch])
+
+    def _message_bytes(self, requested: int) -> int:
+        if requested == 0:
+            return self.config.message_bytes
+        if not 64 * 1024 <= requested <= self.config.max_message_bytes:
+            raise InvalidArgument(
+                f"max_message_bytes: {requested} is not in [65536, {self.config.max_message_bytes}]"
+            )
+        return requested
+
+    @unary
+    def PutArtifact(self, request_iterator, context):
+        ident, parts, size, crc = None, [], 0, None
+        for message in request_iterator:
+            part = message.WhichOneof("part")
+            if ident is None:
+                if part != "id":
+                    raise InvalidArgument("put_artifact: the first message must be the id")
+                ident = message.id
+                tenant, space = self._caller(context, ident.namespace)
+                layout = layout_of(ident)
+                self._check_spec(ident.compressor)
+            elif part == "data":
+                size += len(message.data)
+                if size > self.config.max_put_bytes:
+                    raise InvalidArgument(
+                        f"data: artifact exceeds the per-put limit of {self.config.max_put_bytes}"
+                    )
+                parts.append(message.data)
+            elif part == "crc32c":
+                crc = message.crc32c
+                break
+            else:
+                raise InvalidArgument(f"put_artifact: unexpected {part or 'empty'} message")
+        if crc is None:
+            raise Aborted("put_artifact: the stream ended before its checksum; nothing was stored")
+        data = b"".join(parts)
+        if crc32c(data) != crc:
+            raise InvalidArgument("crc32c: the artifact arrived corrupted")
+        stored = self.shard.put_artifact(
+            space, layout, ident.prefix_key, ident.prefix_tokens, ident.compressor, data,
+            tenant.name, self.quota,
+        )
+        return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
+
+    @staticmethod
+    def _check_spec(spec: str) -> None:
+        if not spec or len(spec) > MAX_SPEC:
+            raise InvalidArgument(f"compressor: must be 1-{MAX_SPEC} characters")
+
+    @streaming
+    def FetchArtifact(self, request, context):
+        ident = request.id
+        _, space = self._caller(context, ident.namespace)
+        self._check_spec(ident.compressor)
+        step = self._message_bytes(request.max_message_bytes)
+        data, _ = self.shard.fetch_artifact(
+            space, layout_of(ident), ident.prefix_key, ident.compressor
+        )
+        crc = crc32c(data)
+        if not data:
+            yield pb.FetchArtifactResponse(total_bytes=0, crc32c=crc)
+        for start in range(0, len(data), step):
+            last = start + step >= len(data)
+            yield pb.FetchArtifactResponse(
+                data=data[start : start + step],
+                total_bytes=len(data) if start == 0 else 0,
+                crc32c=crc if last else 0,
+            )
+
+    @unary
+    def Delete(self, request, context):
+        _, space = self._caller(context, request.namespace)
+        chunks, artifacts, nbytes = self.shard.delete(space, layout_of(request), request.token_ids)
+        return pb.DeleteResponse(chunks=chunks, artifacts=artifacts, bytes=nbytes)
+
+    @unary
+    def Stats(self, request, context):
+        tenant, _ = self._caller(context)
+        return pb.StatsResponse(**self.shard_stats(tenant.name))
+
+    def shard_stats(self, tenant: str | None = None) -> dict:
+        counts = self.shard.counts()
+        stats = self.shard.stats
+        return {
+            "shard_id": self.config.shard_id,
+            "memory_bytes": self.shard.memory.used,
+            "memory_capacity": self.shard.memory.capacity,
+            "disk_bytes": self.shard.disk.used,
+            "disk_capacity": self.shard.disk.capacity,
+            "chunks": counts["chunks"],
+            "artifacts": counts["artifacts"],
+            "tenant_bytes": self.shard.usage().get(tenant, 0) if tenant else 0,
+            "lookup_hits": stats.hits,
+            "lookup_misses": stats.misses,
+            "fetched_bytes": stats.fetched_bytes,
+            "evictions": stats.evictions,
+            "leased_chunks": counts["leased"],
+        }
+
+
+def server_options(config: ShardConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.http2.lookahead_bytes", 16 << 20),
+        ("grpc.http2.bdp_probe", 1),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _same(raw: bytes) -> bytes:
+    return raw
+
+
+def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
+    """The service's method table, as the generated `add_PrefixStoreServicer_to_server`
+    builds it, except that Put requests and Fetch responses stay serialised bytes."""
+
+    def unary_unary(name, request):
+        return grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=request.FromString,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+
+    methods = {
+        "Describe": unary_unary("Describe", pb.DescribeRequest),
+        "Lookup": unary_unary("Lookup", pb.LookupRequest),
+        "Delete": unary_unary("Delete", pb.DeleteRequest),
+        "Stats": unary_unary("Stats", pb.StatsRequest),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            servicer.Put,
+            request_deserializer=_same,
+            response_serializer=pb.PutResponse.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch,
+            request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=_same,
+        ),
+        "PutArtifact": grpc.stream_unary_rpc_method_handler(
+            servicer.PutArtifact,
+            request_deserializer=pb.PutArtifactRequest.FromString,
+            response_serializer=pb.PutResponse.SerializeToString,
+        ),
+        "FetchArtifact": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchArtifact,
+            request_deserializer=pb.FetchArtifactRequest.FromString,
+            response_serializer=pb.FetchArtifactResponse.SerializeToString,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+def create_server(servicer: PrefixStoreServicer, config: ShardConfig) -> tuple[grpc.Server, int]:
+    """A server with the store, health checking and reflection; binds `config.port`
+    (0 = a free port) and returns the port actually bound."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="store"),
+        options=server_options(config),
+    )
+    server.add_generic_rpc_handlers((handlers(servicer),))
+    health_servicer = health.HealthServicer()
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (pb.DESCRIPTOR.services_by_name["PrefixStore"].full_name, health.SERVICE_NAME,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    return server, port
+
+
+class ShardServer:
+    """A shard serving gRPC and heartbeating its membership and usage into Redis."""
+
+    def __init__(self, config: ShardConfig, redis_url: str) -> None:
+        self.config = config
+        self.metadata = Metadata(redis_url)
+        self.shard = Shard(config)
+        self.servicer = PrefixStoreServicer(self.shard, self.metadata, config)
+        self.server, self.port = create_server(self.servicer, config)
+        self.address = f"{config.advertised}:{self.port}"
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+
+    def start(self) -> str:
+        self.server.start()
+        self._heartbeat()
+        self._beat.start()
+        log.info("shard %s serving on %s", self.config.shard_id, self.address)
+        return self.address
+
+    def _heartbeat(self) -> None:
+        info = self.servicer.shard_stats()
+        self.metadata.heartbeat(
+            self.config.shard_id, self.address, info, self.shard.usage(), self.config.ttl_s
+        )
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            try:
+                self._heartbeat()
+            except Exception as error:  # noqa: BLE001 - keep beating until Redis is back
+                log.warning("shard %s: heartbeat failed: %s", self.config.shard_id, error)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Leave the membership, finish in-flight RPCs, persist memory to disk."""
+        self._stop.set()
+        try:
+            self.metadata.deregister(self.config.shard_id)
+        except Exception as error:  # noqa: BLE001
+            log.warning("shard %s: deregister failed: %s", self.config.shard_id, error)
+        self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
+        self.shard.flush()

@@ -1,0 +1,493 @@
+"""A shard: the chunks and artifacts placed on it, in a memory tier spilling to disk.
+
+Thread-safe: index changes happen under one lock; bytes are copied out of leased blobs
+without it. Every read checks the blob's CRC-32C; a blob that fails is dropped and the read
+fails with `DataLoss` (a later lookup reports a miss). Nothing here knows about tenants'
+tokens or gRPC: callers pass resolved namespaces and owners.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefix_store.blob import Blob, BlobId, combined_crc, crc32c
+from prefix_store.config import ShardConfig
+from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreFull
+from prefix_store.keys import chunk_keys, parent_keys
+from prefix_store.layout import KVLayout
+from prefix_store.namespace import Namespace
+from prefix_store.tiers import DiskTier, MemoryTier
+
+log = logging.getLogger(__name__)
+
+# quota(owner, new_bytes) raises QuotaExceeded when the owner may not store new_bytes more.
+QuotaCheck = Callable[[str, int], None]
+MAX_TOKEN_ID = 1 << 31
+
+
+def chunk_id(namespace: Namespace, key: int) -> BlobId:
+    return ("chunk", namespace.id, key)
+
+
+def artifact_id(namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str) -> BlobId:
+    return ("artifact", namespace.id, prefix_key, spec, layout.identity())
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    keys: list[int]
+    """Keys of every chunk of the looked-up tokens (the last may be partial)."""
+    present: list[int]
+    """Requested chunk indices held here as full chunks, confirmed by their tokens."""
+    partial_index: int = 0
+    partial_tokens: int = 0
+    partial_key: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    key: int
+    tokens: int
+
+
+@dataclass
+class ShardStats:
+    hits: int = 0
+    misses: int = 0
+    fetched_bytes: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    usage: Counter = field(default_factory=Counter)
+
+
+def validate_tokens(token_ids: Sequence[int], field_name: str = "token_ids") -> list[int]:
+    ids = list(token_ids)
+    if ids and (min(ids) < 0 or max(ids) >= MAX_TOKEN_ID):
+        raise InvalidArgument(f"{field_name}: token ids must be in [0, 2^31)")
+    return ids
+
+
+def _chunk_tokens(ids: list[int], layout: KVLayout, index: int) -> list[int]:
+    start = index * layout.chunk_tokens
+    return ids[start : start + layout.chunk_tokens]
+
+
+class Shard:
+    def __init__(self, config: ShardConfig) -> None:
+        self.config = config
+        self._lock = threading.RLock()
+        self._leases: Counter = Counter()
+        self._doomed: set[BlobId] = set()
+        self.memory = MemoryTier(config.memory_bytes, self._is_leased)
+        disk_dir = Path(config.disk_dir) if config.disk_dir else Path("/nonexistent")
+        self.disk = DiskTier(disk_dir, config.disk_bytes, self._is_leased)
+        self.stats = ShardStats()
+        self._partials: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
+        for blob_id in self.disk.ids():
+            self._admitted(self.disk.get(blob_id))
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def _is_leased(self, blob_id: BlobId) -> bool:
+        return self._leases[blob_id] > 0
+
+    def _find(self, blob_id: BlobId) -> Blob | None:
+        return self.memory.get(blob_id) or self.disk.get(blob_id)
+
+    def _admitted(self, blob: Blob) -> None:
+        self.stats.usage[blob.owner] += blob.nbytes
+        if blob.kind == "chunk" and len(blob.tokens) < blob.layout.chunk_tokens:
+            self._partials[(blob.namespace, blob.meta["parent"])].add(blob.id[2])
+
+    def _gone(self, blob: Blob) -> None:
+        self.stats.usage[blob.owner] -= blob.nbytes
+        if self.stats.usage[blob.owner] <= 0:
+            del self.stats.usage[blob.owner]
+        if blob.kind == "chunk" and len(blob.tokens) < blob.layout.chunk_tokens:
+            self._partials[(blob.namespace, blob.meta["parent"])].discard(blob.id[2])
+
+    def _drop(self, blob_id: BlobId) -> Blob | None:
+        """Remove a blob from both tiers (deferred while leased)."""
+        if self._is_leased(blob_id):
+            self._doomed.add(blob_id)
+            return self._find(blob_id)
+        in_memory = self.memory.remove(blob_id)
+        on_disk = self.disk.remove(blob_id)
+        blob = in_memory or on_disk
+        if blob is not None:
+            self._gone(blob)
+        return blob
+
+    def _spill(self, victims: list[Blob]) -> None:
+        """Move blobs evicted from memory to disk; drop them if disk has no room."""
+        for blob in victims:
+            self.stats.evictions += 1
+            if blob.id in self.disk:
+                continue
+            if self.disk.capacity and self.disk.fits(blob.nbytes):
+                self._disk_room(blob.nbytes)
+                self.disk.write(blob)
+            else:
+                self._gone(blob)
+
+    def _disk_room(self, nbytes: int) -> None:
+        for dropped in self.disk.make_room(nbytes):
+            if dropped.id not in self.memory:
+                self._gone(dropped)
+
+    def _place(self, blob: Blob) -> None:
+        """Store a new blob: memory if it fits (spilling LRU blobs), else disk."""
+        if self.memory.fits(blob.nbytes):
+            self._spill(self.memory.make_room(blob.nbytes))
+            self.memory.insert(blob)
+        elif self.disk.capacity and self.disk.fits(blob.nbytes):
+            self._disk_room(blob.nbytes)
+            self.disk.write(blob)
+        else:
+            raise StoreFull(f"shard {self.config.shard_id}: no room for {blob.nbytes} bytes")
+        self._admitted(blob)
+
+    def _room_for(self, nbytes: int) -> bool:
+        return self.memory.fits(nbytes) or bool(self.disk.capacity and self.disk.fits(nbytes))
+
+    # ---- lookup ------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        token_ids: Sequence[int],
+        indices: Sequence[int] = (),
+    ) -> LookupResult:
+        """Which of the requested chunks of `token_ids` are held here; for the first one
+        that is not, the longest stored partial chunk that starts it."""
+        ids = validate_tokens(token_ids)
+        keys = chunk_keys(ids, layout, namespace.salt)
+        parents = parent_keys(keys, layout, namespace.salt)
+        wanted = sorted(set(indices)) if indices else list(range(len(keys)))
+        if wanted and (wanted[0] < 0 or wanted[-1] >= len(keys)):
+            raise InvalidArgument(f"chunk_indices: must be in [0, {len(keys)})")
+        present, partial = [], (0, 0, 0)
+        with self._lock:
+            for index in wanted:
+                if self._holds_full(namespace, layout, ids, keys, index):
+                    present.append(index)
+                    continue
+                partial = self._longest_partial(namespace, layout, ids, parents, index)
+                break
+            self.stats.hits += len(present)
+            self.stats.misses += len(wanted) - len(present)
+        leading = 0
+        if not indices:
+            leading = len(present) * layout.chunk_tokens if present == wanted[: len(present)] else 0
+            leading += partial[1]
+        return LookupResult(keys, present, *partial, cached_tokens=leading)
+
+    def _holds_full(self, namespace, layout, ids, keys, index) -> bool:
+        tokens = _chunk_tokens(ids, layout, index)
+        if len(tokens) < layout.chunk_tokens:
+            return False
+        blob = self._find(chunk_id(namespace, keys[index]))
+        return self._matches(blob, layout, tokens)
+
+    @staticmethod
+    def _matches(blob: Blob | None, layout: KVLayout, tokens: list[int]) -> bool:
+        return blob is not None and blob.layout == layout and list(blob.tokens) == tokens
+
+    def _longest_partial(self, namespace, layout, ids, parents, index) -> tuple[int, int, int]:
+        want = _chunk_tokens(ids, layout, index)
+        best = (index, 0, 0)
+        for key in self._partials.get((namespace.id, parents[index]), ()):
+            blob = self._find(chunk_id(namespace, key))
+            n = len(blob.tokens) if blob is not None else 0
+            if n > best[1] and self._matches(blob, layout, want[:n]) and n <= len(want):
+                best = (index, n, key)
+        return best
+
+    # ---- put ---------------------------------------------------------------------------
+
+    def begin_put(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        token_ids: Sequence[int],
+        indices: Sequence[int],
+        owner: str,
+        quota: QuotaCheck,
+    ) -> PutSession:
+        return PutSession(self, namespace, layout, validate_tokens(token_ids), indices, owner, quota)
+
+    def commit(self, blobs: list[Blob], owner: str, quota: QuotaCheck) -> tuple[list[int], int]:
+        """Make complete, checked blobs visible, all or none. Returns (keys, new bytes)."""
+        with self._lock:
+            new = [b for b in blobs if self._find(b.id) is None]
+            new_bytes = sum(b.nbytes for b in new)
+            quota(owner, new_bytes)
+            if not self._room_for(new_bytes):
+                raise StoreFull(
+                    f"shard {self.config.shard_id}: no room for {new_bytes} bytes "
+                    f"(memory {self.memory.used}/{self.memory.capacity}, "
+                    f"disk {self.disk.used}/{self.disk.capacity})"
+                )
+            for blob in new:
+                self._place(blob)
+        return [b.id[2] for b in blobs], new_bytes
+
+    # ---- fetch -------------------------------------------------------------------------
+
+    def fetch(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        refs: Sequence[ChunkRef],
+        layer_start: int,
+        layer_end: int,
+        message_bytes: int,
+    ) -> Iterator[list[tuple[int, int, bytes]]]:
+        """Batches of (layer, chunk index, K+V bytes): every chunk of a layer before the next
+        layer, batches of about `message_bytes`. The chunks are leased until it ends."""
+        if not 0 <= layer_start < layer_end <= layout.num_layers:
+            raise InvalidArgument(
+                f"layer range: [{layer_start}, {layer_end}) is not within "
+                f"[0, {layout.num_layers}]"
+            )
+        blobs = self._lease_chunks(namespace, layout, refs)
+        try:
+            yield from self._batches(blobs, layer_start, layer_end, message_bytes)
+        finally:
+            self._release([b.id for b in blobs])
+
+    def _lease_chunks(self, namespace, layout, refs) -> list[Blob]:
+        with self._lock:
+            blobs = []
+            for index, ref in enumerate(refs):
+                blob = self._find(chunk_id(namespace, ref.key))
+                if blob is None or blob.layout != layout or len(blob.tokens) != ref.tokens:
+                    raise NotFound(f"chunks[{index}]: chunk {ref.key:016x} is not stored here")
+                blobs.append(blob)
+            for blob in blobs:
+                self._leases[blob.id] += 1
+            return blobs
+
+    def _release(self, blob_ids: list[BlobId]) -> None:
+        with self._lock:
+            for blob_id in blob_ids:
+                self._leases[blob_id] -= 1
+                if self._leases[blob_id] <= 0:
+                    del self._leases[blob_id]
+                    if blob_id in self._doomed:
+                        self._doomed.discard(blob_id)
+                        self._drop(blob_id)
+
+    def _batches(self, blobs, layer_start, layer_end, message_bytes):
+        batch, size = [], 0
+        for layer in range(layer_start, layer_end):
+            for index, blob in enumerate(blobs):
+                data = self._read_segment(blob, layer)
+                batch.append((layer, index, data))
+                size += len(data)
+                if size >= message_bytes:
+                    yield batch
+                    self.stats.fetched_bytes += size
+                    batch, size = [], 0
+        if batch:
+            self.stats.fetched_bytes += size
+            yield batch
+
+    def _read_segment(self, blob: Blob, index: int) -> bytes:
+        if blob.data is not None:
+            data = blob.segment(index)
+        else:
+            data = self.disk.read_segment(blob.id, index)
+        if crc32c(data) != blob.crcs[index]:
+            self._corrupt(blob, f"segment {index}")
+        return data
+
+    def _corrupt(self, blob: Blob, where: str) -> None:
+        log.error("shard %s: blob %s failed its checksum at %s; dropped",
+                  self.config.shard_id, blob.id[:3], where)
+        with self._lock:
+            self.stats.corrupt += 1
+            self._doomed.add(blob.id)
+            if not self._is_leased(blob.id):
+                self._doomed.discard(blob.id)
+                self._drop(blob.id)
+        raise DataLoss(f"chunk {blob.id[2]:016x}: stored bytes failed their checksum ({where}); "
+                       "dropped, read it from a replica")
+
+    # ---- artifacts ---------------------------------------------------------------------
+
+    def put_artifact(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        prefix_key: int,
+        prefix_tokens: int,
+        spec: str,
+        data: bytes,
+        owner: str,
+        quota: QuotaCheck,
+    ) -> int:
+        blob = Blob(
+            id=artifact_id(namespace, layout, prefix_key, spec),
+            layout=layout,
+            owner=owner,
+            tokens=(prefix_tokens,),
+            segment_bytes=len(data),
+            crcs=(crc32c(data),),
+            data=(data,),
+        )
+        with self._lock:
+            old = self._find(blob.id)
+            if old is not None:
+                self._drop(blob.id)
+            return self.commit([blob], owner, quota)[1]
+
+    def fetch_artifact(
+        self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
+    ) -> tuple[bytes, int]:
+        """The artifact's bytes and its prefix length."""
+        blob_id = artifact_id(namespace, layout, prefix_key, spec)
+        with self._lock:
+            blob = self._find(blob_id)
+            if blob is None:
+                raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
+            self._leases[blob_id] += 1
+        try:
+            return self._read_segment(blob, 0), blob.tokens[0]
+        finally:
+            self._release([blob_id])
+
+    # ---- delete, stats, shutdown ------------------------------------------------------
+
+    def delete(self, namespace: Namespace, layout: KVLayout, token_ids: Sequence[int]):
+        """Drop every chunk of `token_ids` held here and the artifacts of those prefixes.
+        Returns (chunks, artifacts, bytes)."""
+        ids = validate_tokens(token_ids)
+        keys = set(chunk_keys(ids, layout, namespace.salt))
+        chunks = artifacts = nbytes = 0
+        with self._lock:
+            for blob_id in self.memory.ids() + self.disk.ids():
+                blob = self._find(blob_id)
+                if blob is None or blob.namespace != namespace.id or blob.id[2] not in keys:
+                    continue
+                if blob.layout != layout:
+                    continue
+                self._drop(blob_id)
+                chunks += blob.kind == "chunk"
+                artifacts += blob.kind == "artifact"
+                nbytes += blob.nbytes
+        return chunks, artifacts, nbytes
+
+    def usage(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.stats.usage)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            ids = set(self.memory.ids()) | set(self.disk.ids())
+            return {
+                "chunks": sum(1 for i in ids if i[0] == "chunk"),
+                "artifacts": sum(1 for i in ids if i[0] == "artifact"),
+                "leased": len(self._leases),
+            }
+
+    def flush(self) -> int:
+        """Write memory-only blobs to the disk tier (graceful shutdown). Returns how many."""
+        written = 0
+        with self._lock:
+            if not self.disk.capacity:
+                return 0
+            for blob_id in self.memory.ids():
+                blob = self.memory.get(blob_id)
+                if blob_id in self.disk or not self.disk.fits(blob.nbytes):
+                    continue
+                self._disk_room(blob.nbytes)
+                self.disk.write(blob)
+                written += 1
+        return written
+
+
+class PutSession:
+    """One two-phase put: segments are staged privately; `commit` checks and publishes."""
+
+    def __init__(self, shard, namespace, layout, ids, indices, owner, quota) -> None:
+        self.shard, self.namespace, self.layout = shard, namespace, layout
+        self.owner, self.quota = owner, quota
+        keys = chunk_keys(ids, layout, namespace.salt)
+        self.indices = list(indices)
+        self._check_indices(len(keys))
+        parents = parent_keys(keys, layout, namespace.salt)
+        self.tokens = [_chunk_tokens(ids, layout, i) for i in self.indices]
+        self.keys = [keys[i] for i in self.indices]
+        self.parents = [parents[i] for i in self.indices]
+        total = sum(layout.chunk_bytes(len(t)) for t in self.tokens)
+        if total > shard.config.max_put_bytes:
+            raise InvalidArgument(
+                f"put: {total} bytes exceed the per-put limit of {shard.config.max_put_bytes}"
+            )
+        quota(owner, total)
+        self.segments: list[list[bytes | None]] = [
+            [None] * layout.num_layers for _ in self.tokens
+        ]
+        self.received = 0
+
+    def _check_indices(self, n_chunks: int) -> None:
+        if not self.indices:
+            raise InvalidArgument("header.chunk_indices: at least one chunk is required")
+        if len(set(self.indices)) != len(self.indices):
+            raise InvalidArgument("header.chunk_indices: indices must be unique")
+        if min(self.indices) < 0 or max(self.indices) >= n_chunks:
+            raise InvalidArgument(f"header.chunk_indices: must be in [0, {n_chunks})")
+
+    def add(self, layer: int, chunk: int, data) -> None:
+        """Stage one segment (copied: `data` may be a view of a message buffer)."""
+        if not 0 <= chunk < len(self.indices):
+            raise InvalidArgument(f"segment.chunk: {chunk} is not in [0, {len(self.indices)})")
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidArgument(
+                f"segment.layer: {layer} is not in [0, {self.layout.num_layers})"
+            )
+        size = self.layout.segment_bytes(len(self.tokens[chunk]))
+        if len(data) != size:
+            raise InvalidArgument(
+                f"segment.data: layer {layer} of chunk {chunk} has {len(data)} bytes, "
+                f"expected {size} (K and V of {len(self.tokens[chunk])} tokens)"
+            )
+        if self.segments[chunk][layer] is not None:
+            raise InvalidArgument(f"segment: layer {layer} of chunk {chunk} sent twice")
+        self.segments[chunk][layer] = bytes(data)
+        self.received += 1
+
+    def commit(self, crcs: Sequence[int]) -> tuple[list[int], int]:
+        expected = len(self.indices) * self.layout.num_layers
+        if self.received != expected:
+            raise InvalidArgument(
+                f"commit: {expected - self.received} of {expected} segments are missing"
+            )
+        if len(crcs) != len(self.indices):
+            raise InvalidArgument(f"commit.crc32c: expected {len(self.indices)} values")
+        blobs = [self._blob(j, crc) for j, crc in enumerate(crcs)]
+        return self.shard.commit(blobs, self.owner, self.quota)
+
+    def _blob(self, j: int, crc: int) -> Blob:
+        data = tuple(self.segments[j])
+        if combined_crc(data) != crc:
+            raise InvalidArgument(f"commit.crc32c[{j}]: chunk {j} arrived corrupted")
+        self.segments[j] = []
+        return Blob(
+            id=("chunk", self.namespace.id, self.keys[j]),
+            layout=self.layout,
+            owner=self.owner,
+            tokens=tuple(self.tokens[j]),
+            segment_bytes=self.layout.segment_bytes(len(self.tokens[j])),
+            crcs=tuple(crc32c(segment) for segment in data),
+            data=data,
+            meta={"parent": self.parents[j]},
+        )

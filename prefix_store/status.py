@@ -1,0 +1,43 @@
+"""The one place where store errors become gRPC status codes (and back, for clients)."""
+
+from __future__ import annotations
+
+import grpc
+
+from prefix_store import errors
+
+_CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.StoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+}
+
+_ERRORS: dict[grpc.StatusCode, type[errors.StoreError]] = {
+    code: cls for cls, code in _CODES.items() if cls is not errors.StoreFull
+}
+
+# Codes on which a client may try again (same shard after backoff, or a replica).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Codes on which a client moves to the next replica without retrying the same shard.
+FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+
+
+def code_of(error: BaseException) -> grpc.StatusCode:
+    """The status a server answers with; anything unexpected is INTERNAL, never UNKNOWN."""
+    for cls in type(error).__mro__:
+        if cls in _CODES:
+            return _CODES[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_of(code: grpc.StatusCode, message: str) -> errors.StoreError:
+    """The typed error a client raises for a failed call."""
+    cls = _ERRORS.get(code, errors.StoreError)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        cls = errors.Unavailable
+    return cls(message)

@@ -1,0 +1,1 @@
+"""Generated wire stubs (`make proto`); do not edit. The sources are proto/vericache/."""

@@ -1,0 +1,263 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "chunk_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("name", "salt")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    salt: bytes
+    def __init__(self, name: _Optional[str] = ..., salt: _Optional[bytes] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("shard_id", "address")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    address: str
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("tenant", "namespaces", "shards", "replication", "max_message_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    replication: int
+    max_message_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., replication: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "layout", "token_ids", "chunk_indices")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: KVLayout
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    chunk_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., chunk_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("chunk_keys", "present", "partial_index", "partial_tokens", "partial_key", "cached_tokens")
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    chunk_keys: _containers.RepeatedScalarFieldContainer[int]
+    present: _containers.RepeatedScalarFieldContainer[int]
+    partial_index: int
+    partial_tokens: int
+    partial_key: int
+    cached_tokens: int
+    def __init__(self, chunk_keys: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[int]] = ..., partial_index: _Optional[int] = ..., partial_tokens: _Optional[int] = ..., partial_key: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ChunkRef(_message.Message):
+    __slots__ = ("key", "tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    tokens: int
+    def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("layer", "chunk", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    chunk: int
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., chunk: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "segments", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    segments: SegmentBatch
+    commit: PutCommit
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segments: _Optional[_Union[SegmentBatch, _Mapping]] = ..., commit: _Optional[_Union[PutCommit, _Mapping]] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace", "layout", "token_ids", "chunk_indices")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: KVLayout
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    chunk_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., chunk_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SegmentBatch(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class PutCommit(_message.Message):
+    __slots__ = ("crc32c",)
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("chunk_keys", "stored_bytes")
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_keys: _containers.RepeatedScalarFieldContainer[int]
+    stored_bytes: int
+    def __init__(self, chunk_keys: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("namespace", "layout", "chunks", "layer_start", "layer_end", "max_message_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: KVLayout
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
+    layer_start: int
+    layer_end: int
+    max_message_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class ArtifactId(_message.Message):
+    __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: KVLayout
+    prefix_key: int
+    prefix_tokens: int
+    compressor: str
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_key: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., compressor: _Optional[str] = ...) -> None: ...
+
+class PutArtifactRequest(_message.Message):
+    __slots__ = ("id", "data", "crc32c")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    id: ArtifactId
+    data: bytes
+    crc32c: int
+    def __init__(self, id: _Optional[_Union[ArtifactId, _Mapping]] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class FetchArtifactRequest(_message.Message):
+    __slots__ = ("id", "max_message_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: ArtifactId
+    max_message_bytes: int
+    def __init__(self, id: _Optional[_Union[ArtifactId, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchArtifactResponse(_message.Message):
+    __slots__ = ("data", "crc32c", "total_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    crc32c: int
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace", "layout", "token_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: KVLayout
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("chunks", "artifacts", "bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    artifacts: int
+    bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., artifacts: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("shard_id", "memory_bytes", "memory_capacity", "disk_bytes", "disk_capacity", "chunks", "artifacts", "tenant_bytes", "lookup_hits", "lookup_misses", "fetched_bytes", "evictions", "leased_chunks")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    memory_bytes: int
+    memory_capacity: int
+    disk_bytes: int
+    disk_capacity: int
+    chunks: int
+    artifacts: int
+    tenant_bytes: int
+    lookup_hits: int
+    lookup_misses: int
+    fetched_bytes: int
+    evictions: int
+    leased_chunks: int
+    def __init__(self, shard_id: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., memory_capacity: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_capacity: _Optional[int] = ..., chunks: _Optional[int] = ..., artifacts: _Optional[int] = ..., tenant_bytes: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_chunks: _Optional[int] = ...) -> None: ...
