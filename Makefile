@@ -1,11 +1,11 @@
-# Entry points: install, demo, test, lint, bench-decode, bench-local.
+# Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: install demo test test-all lint format bench-decode bench-local clean
+.PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store clean
 
 install: $(STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -39,11 +39,21 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format decoder prefix_store cluster tests bench
 
+# Regenerates the wire stubs (proto/gen/vericache/v1, imported as vericache.v1);
+# tests/proto/test_stubs.py fails when they drift from the .proto files.
+PROTOS := $(wildcard proto/vericache/v1/*.proto)
+proto: install
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto/gen --pyi_out=proto/gen \
+		--grpc_python_out=proto/gen $(PROTOS)
+
 bench-decode: install
 	$(PY) bench/bench_decode.py
 
 bench-local: install
 	$(PY) bench/bench_local.py
+
+bench-store: install
+	$(PY) bench/bench_store.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from cluster import store_cli
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
+from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 
 GENERATE_MODES = ("full", "lossy", "vericache")
 """Decoding modes of `vericache generate`: `full` is full-KV decoding (the reference),
@@ -64,18 +66,31 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (>= 1)")
     gen.add_argument("--mode", default="full", help=f"decoding mode: {', '.join(GENERATE_MODES)}")
-    gen.add_argument("--model", help="a local Hugging Face Llama-family folder "
-                     "(default: the built-in SmolLM2-135M-Instruct)")
-    gen.add_argument("--runner", choices=("exact", "fast"), default="exact",
-                     help="exact (bitwise reproducible, the default) or fast kernels")
+    gen.add_argument(
+        "--model",
+        help="a local Hugging Face Llama-family folder "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    gen.add_argument(
+        "--runner",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact (bitwise reproducible, the default) or fast kernels",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument("--compressor", default=DEFAULT_COMPRESSOR,
-                     help="KV compressor spec for lossy/vericache, e.g. snapkv:budget=0.125, "
-                     "kivi:bits=2, snapkv:budget=0.25+kivi:bits=4 (default: %(default)s)")
-    gen.add_argument("--horizon", default="auto",
-                     help="vericache: drafted tokens per verification, 'auto' or N >= 0")
+    gen.add_argument(
+        "--compressor",
+        default=DEFAULT_COMPRESSOR,
+        help="KV compressor spec for lossy/vericache, e.g. snapkv:budget=0.125, "
+        "kivi:bits=2, snapkv:budget=0.25+kivi:bits=4 (default: %(default)s)",
+    )
+    gen.add_argument(
+        "--horizon",
+        default="auto",
+        help="vericache: drafted tokens per verification, 'auto' or N >= 0",
+    )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
@@ -85,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the demo on the built-in model")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(run=run_demo, parse=lambda ns: ns)
+    store_cli.add_commands(sub)
     return parser
 
 
@@ -101,15 +117,28 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
     if ns.model is not None and not Path(ns.model).is_dir():
         raise UsageError(f"--model {ns.model}: not a directory")
     if ns.runner == "fast" and ns.mode != "full":
-        raise UsageError(f"--runner fast applies to --mode full only ({ns.mode} drafts with fast "
-                         "kernels and verifies with exact ones)")
+        raise UsageError(
+            f"--runner fast applies to --mode full only ({ns.mode} drafts with fast "
+            "kernels and verifies with exact ones)"
+        )
     _check_sampling(ns)
     compressor = _parse_compressor(ns.compressor) if ns.mode != "full" else ns.compressor
-    return GenerateArgs(prompt=prompt, max_new_tokens=ns.max_new_tokens, mode=ns.mode,
-                        model=ns.model, runner=ns.runner, chat=ns.chat, json=ns.json,
-                        threads=ns.threads, compressor=compressor,
-                        horizon=_parse_horizon(ns.horizon), temperature=ns.temperature,
-                        top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed)
+    return GenerateArgs(
+        prompt=prompt,
+        max_new_tokens=ns.max_new_tokens,
+        mode=ns.mode,
+        model=ns.model,
+        runner=ns.runner,
+        chat=ns.chat,
+        json=ns.json,
+        threads=ns.threads,
+        compressor=compressor,
+        horizon=_parse_horizon(ns.horizon),
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        seed=ns.seed,
+    )
 
 
 def _parse_compressor(spec: str) -> str:
@@ -168,22 +197,34 @@ def run_generate(args: GenerateArgs) -> int:
     prompt_ids = model.encode(args.prompt, chat=args.chat)
     limit = model.config.max_position_embeddings
     if len(prompt_ids) + args.max_new_tokens > limit:
-        raise UsageError(f"prompt ({len(prompt_ids)} tokens) plus --max-new-tokens "
-                         f"({args.max_new_tokens}) exceeds the model's context of {limit}")
+        raise UsageError(
+            f"prompt ({len(prompt_ids)} tokens) plus --max-new-tokens "
+            f"({args.max_new_tokens}) exceeds the model's context of {limit}"
+        )
     runner = ModelRunner(model.config, model.weights, RunnerConfig(threads=args.threads))
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.mode == "full":
-        result = generate_full(runner, [prompt_ids], max_new_tokens=args.max_new_tokens,
-                               eos_token_ids=model.eos_token_ids, mode=args.runner,
-                               sampling=sampling)[0]
+        result = generate_full(
+            runner,
+            [prompt_ids],
+            max_new_tokens=args.max_new_tokens,
+            eos_token_ids=model.eos_token_ids,
+            mode=args.runner,
+            sampling=sampling,
+        )[0]
     else:
         result = _generate_compressed(runner, model, prompt_ids, args, sampling)
     text = model.decode(result.tokens)
-    stats = {"model": model.name, "runner": args.runner, "stop_reason": result.stop_reason,
-             **result.stats}
+    stats = {
+        "model": model.name,
+        "runner": args.runner,
+        "stop_reason": result.stop_reason,
+        **result.stats,
+    }
     if args.json:
-        print(json.dumps({"mode": args.mode, "tokens": result.tokens, "text": text,
-                          "stats": stats}))
+        print(
+            json.dumps({"mode": args.mode, "tokens": result.tokens, "text": text, "stats": stats})
+        )
     else:
         print(text)
         print(_stats_line(stats), file=sys.stderr)
@@ -196,8 +237,11 @@ def _generate_compressed(runner, model, prompt_ids, args: GenerateArgs, sampling
 
     from decoder.engine import Engine, EngineConfig, Request, split_prompt
 
-    engine = Engine(runner, EngineConfig(mode=args.mode, compressor=args.compressor,
-                                         horizon=args.horizon), model.eos_token_ids)
+    engine = Engine(
+        runner,
+        EngineConfig(mode=args.mode, compressor=args.compressor, horizon=args.horizon),
+        model.eos_token_ids,
+    )
     runner.ensure_exact_supported()
     t0 = time.perf_counter()
     prefix, suffix = split_prompt(runner, prompt_ids, max(1, engine.observe_window))
@@ -212,14 +256,20 @@ def _generate_compressed(runner, model, prompt_ids, args: GenerateArgs, sampling
 
 
 def _stats_line(stats: dict) -> str:
-    line = (f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']} tok/s, "
-            f"prefill {stats['prefill_s']}s, stop: {stats['stop_reason']}")
+    line = (
+        f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']} tok/s, "
+        f"prefill {stats['prefill_s']}s, stop: {stats['stop_reason']}"
+    )
     if "compressed_bytes" in stats:
-        line += (f", compressed {stats['compressed_bytes']} of {stats['full_bytes']} bytes "
-                 f"({stats['compression_ratio']}x)")
+        line += (
+            f", compressed {stats['compressed_bytes']} of {stats['full_bytes']} bytes "
+            f"({stats['compression_ratio']}x)"
+        )
     if "verifications" in stats:
-        line += (f", {stats['verifications']} verifications, "
-                 f"{stats['accepted_per_verification']} accepted each")
+        line += (
+            f", {stats['verifications']} verifications, "
+            f"{stats['accepted_per_verification']} accepted each"
+        )
     return line + "]"
 
 
@@ -240,32 +290,41 @@ def run_demo(ns: argparse.Namespace) -> int:
     runner = ModelRunner(model.config, model.weights)
     runner.ensure_exact_supported()
     prompt = model.encode(inspect.getsource(textwrap))[:1200]
-    print(f"vericache demo: {model.name}, a {len(prompt)}-token Python source prompt, "
-          f"{ns.max_new_tokens} new tokens, compressor {DEFAULT_COMPRESSOR}", flush=True)
+    print(
+        f"vericache demo: {model.name}, a {len(prompt)}-token Python source prompt, "
+        f"{ns.max_new_tokens} new tokens, compressor {DEFAULT_COMPRESSOR}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     prefix = prefill_prefix(runner, prompt[:-1])
     print(f"prefix prefilled into host memory in {time.perf_counter() - t0:.1f}s", flush=True)
     rows, reference = [], None
     for mode in ("full", "lossy", "vericache"):
-        engine = Engine(runner, EngineConfig(mode=mode, compressor=DEFAULT_COMPRESSOR),
-                        model.eos_token_ids)
+        engine = Engine(
+            runner, EngineConfig(mode=mode, compressor=DEFAULT_COMPRESSOR), model.eos_token_ids
+        )
         result = engine.run([Request(prefix, prompt[-1:], ns.max_new_tokens)])[0]
         reference = reference or result.tokens
         rows.append((mode, result))
         print(f"  {mode:9s} done: {result.stats['tokens_per_s']} tok/s", flush=True)
-    print(f"\n{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'KV bytes kept':>14s} "
-          f"{'accepted/verif':>15s}  identical to full")
+    print(
+        f"\n{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'KV bytes kept':>14s} "
+        f"{'accepted/verif':>15s}  identical to full"
+    )
     full_speed = rows[0][1].stats["tokens_per_s"]
     for mode, result in rows:
         s = result.stats
         same = result.tokens == reference
-        diverge = next((i for i, (a, b) in enumerate(zip(result.tokens, reference, strict=False))
-                        if a != b),
-                       None)
+        diverge = next(
+            (i for i, (a, b) in enumerate(zip(result.tokens, reference, strict=False)) if a != b),
+            None,
+        )
         verdict = "yes" if same else f"no (from token {diverge})"
-        print(f"{mode:10s} {s['tokens_per_s']:7.2f} {s['tokens_per_s'] / full_speed:7.2f}x "
-              f"{s.get('compressed_bytes', s['full_bytes']):14d} "
-              f"{str(s.get('accepted_per_verification', '-')):>15s}  {verdict}")
+        print(
+            f"{mode:10s} {s['tokens_per_s']:7.2f} {s['tokens_per_s'] / full_speed:7.2f}x "
+            f"{s.get('compressed_bytes', s['full_bytes']):14d} "
+            f"{str(s.get('accepted_per_verification', '-')):>15s}  {verdict}"
+        )
     print("\nvericache output:\n" + model.decode(rows[2][1].tokens))
     print("\nMore: vericache generate --help; make bench-local for 2K/8K contexts and batches.")
     return 0 if rows[2][1].tokens == reference else 1
@@ -283,6 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vericache: error: {e}", file=sys.stderr)
         return 2
     except ExactModeUnsupported as e:
+        print(f"vericache: error: {e}", file=sys.stderr)
+        return 1
+    except (InvalidArgument, NotFound, Unauthenticated, FileNotFoundError) as e:
+        print(f"vericache: error: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:
         print(f"vericache: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -48,9 +48,23 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         command = [
-            redis_binary(), "--port", str(self.port), "--bind", self.host,
-            "--dir", str(self.directory), "--appendonly", "yes", "--save", "",
-            "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+            redis_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.directory),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
         ]
         log = (self.directory / "redis.log").open("ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

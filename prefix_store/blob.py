@@ -53,8 +53,14 @@ class Blob:
 
     def without_data(self) -> Blob:
         return Blob(
-            self.id, self.layout, self.owner, self.tokens, self.segment_bytes, self.crcs,
-            None, self.meta,
+            self.id,
+            self.layout,
+            self.owner,
+            self.tokens,
+            self.segment_bytes,
+            self.crcs,
+            None,
+            self.meta,
         )
 
 

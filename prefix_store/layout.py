@@ -38,9 +38,7 @@ class KVLayout:
         if not self.model_id or len(self.model_id) > 256:
             raise InvalidArgument("layout.model_id: must be 1-256 characters")
         if self.dtype not in DTYPES:
-            raise InvalidArgument(
-                f"layout.dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}"
-            )
+            raise InvalidArgument(f"layout.dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name, top in (
             ("num_layers", MAX_LAYERS),
             ("num_kv_heads", MAX_HEADS),

@@ -73,7 +73,9 @@ class Metadata:
         try:
             return fn(*args)
         except redis.RedisError as error:
-            raise Unavailable(f"metadata plane (Redis at {self.url}) unreachable: {error}") from error
+            raise Unavailable(
+                f"metadata plane (Redis at {self.url}) unreachable: {error}"
+            ) from error
 
     def ping(self) -> bool:
         return bool(self._call(self.redis.ping))
@@ -202,7 +204,9 @@ class Metadata:
                 shared = shared.decode()
                 if self.redis.sismember(f"{self.p}:ns:{shared}:members", name):
                     salt = self.redis.hget(f"{self.p}:ns:{shared}", "salt")
-                    spaces[shared] = Namespace(f"shared:{shared}", shared, bytes.fromhex(salt.decode()))
+                    spaces[shared] = Namespace(
+                        f"shared:{shared}", shared, bytes.fromhex(salt.decode())
+                    )
             return Tenant(name, int(fields[b"quota"]), spaces)
 
         return self._call(read)

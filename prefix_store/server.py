@@ -88,7 +88,9 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         replication = self.metadata.replication() or min(2, max(1, len(shards)))
         return pb.DescribeResponse(
             tenant=tenant.name,
-            namespaces=[pb.NamespaceInfo(name=n.name, salt=n.salt) for n in tenant.namespaces.values()],
+            namespaces=[
+                pb.NamespaceInfo(name=n.name, salt=n.salt) for n in tenant.namespaces.values()
+            ],
             shards=[pb.ShardInfo(shard_id=s.shard_id, address=s.address) for s in shards],
             replication=min(replication, max(1, len(shards))),
             max_message_bytes=self.config.max_message_bytes,
@@ -132,8 +134,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
     def _begin_put(self, header, context):
         tenant, space = self._caller(context, header.namespace)
         return self.shard.begin_put(
-            space, layout_of(header), header.token_ids, header.chunk_indices,
-            tenant.name, self.quota,
+            space,
+            layout_of(header),
+            header.token_ids,
+            header.chunk_indices,
+            tenant.name,
+            self.quota,
         )
 
     @streaming
@@ -188,8 +194,14 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         if crc32c(data) != crc:
             raise InvalidArgument("crc32c: the artifact arrived corrupted")
         stored = self.shard.put_artifact(
-            space, layout, ident.prefix_key, ident.prefix_tokens, ident.compressor, data,
-            tenant.name, self.quota,
+            space,
+            layout,
+            ident.prefix_key,
+            ident.prefix_tokens,
+            ident.compressor,
+            data,
+            tenant.name,
+            self.quota,
         )
         return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
 
@@ -316,8 +328,11 @@ def create_server(servicer: PrefixStoreServicer, config: ShardConfig) -> tuple[g
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (pb.DESCRIPTOR.services_by_name["PrefixStore"].full_name, health.SERVICE_NAME,
-         reflection.SERVICE_NAME),
+        (
+            pb.DESCRIPTOR.services_by_name["PrefixStore"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")

@@ -221,7 +221,9 @@ class Shard:
         owner: str,
         quota: QuotaCheck,
     ) -> PutSession:
-        return PutSession(self, namespace, layout, validate_tokens(token_ids), indices, owner, quota)
+        return PutSession(
+            self, namespace, layout, validate_tokens(token_ids), indices, owner, quota
+        )
 
     def commit(self, blobs: list[Blob], owner: str, quota: QuotaCheck) -> tuple[list[int], int]:
         """Make complete, checked blobs visible, all or none. Returns (keys, new bytes)."""
@@ -254,8 +256,7 @@ class Shard:
         layer, batches of about `message_bytes`. The chunks are leased until it ends."""
         if not 0 <= layer_start < layer_end <= layout.num_layers:
             raise InvalidArgument(
-                f"layer range: [{layer_start}, {layer_end}) is not within "
-                f"[0, {layout.num_layers}]"
+                f"layer range: [{layer_start}, {layer_end}) is not within [0, {layout.num_layers}]"
             )
         blobs = self._lease_chunks(namespace, layout, refs)
         try:
@@ -310,16 +311,22 @@ class Shard:
         return data
 
     def _corrupt(self, blob: Blob, where: str) -> None:
-        log.error("shard %s: blob %s failed its checksum at %s; dropped",
-                  self.config.shard_id, blob.id[:3], where)
+        log.error(
+            "shard %s: blob %s failed its checksum at %s; dropped",
+            self.config.shard_id,
+            blob.id[:3],
+            where,
+        )
         with self._lock:
             self.stats.corrupt += 1
             self._doomed.add(blob.id)
             if not self._is_leased(blob.id):
                 self._doomed.discard(blob.id)
                 self._drop(blob.id)
-        raise DataLoss(f"chunk {blob.id[2]:016x}: stored bytes failed their checksum ({where}); "
-                       "dropped, read it from a replica")
+        raise DataLoss(
+            f"chunk {blob.id[2]:016x}: stored bytes failed their checksum ({where}); "
+            "dropped, read it from a replica"
+        )
 
     # ---- artifacts ---------------------------------------------------------------------
 
@@ -433,9 +440,7 @@ class PutSession:
                 f"put: {total} bytes exceed the per-put limit of {shard.config.max_put_bytes}"
             )
         quota(owner, total)
-        self.segments: list[list[bytes | None]] = [
-            [None] * layout.num_layers for _ in self.tokens
-        ]
+        self.segments: list[list[bytes | None]] = [[None] * layout.num_layers for _ in self.tokens]
         self.received = 0
 
     def _check_indices(self, n_chunks: int) -> None:
@@ -451,9 +456,7 @@ class PutSession:
         if not 0 <= chunk < len(self.indices):
             raise InvalidArgument(f"segment.chunk: {chunk} is not in [0, {len(self.indices)})")
         if not 0 <= layer < self.layout.num_layers:
-            raise InvalidArgument(
-                f"segment.layer: {layer} is not in [0, {self.layout.num_layers})"
-            )
+            raise InvalidArgument(f"segment.layer: {layer} is not in [0, {self.layout.num_layers})")
         size = self.layout.segment_bytes(len(self.tokens[chunk]))
         if len(data) != size:
             raise InvalidArgument(

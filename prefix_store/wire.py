@@ -73,7 +73,9 @@ def put_segments(segments: Sequence[tuple[int, int, Sequence]]) -> bytes:
     return b"".join([bytes([PUT_SEGMENTS]), varint(size), *parts])
 
 
-def fields(buf: memoryview, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int, object]]:
+def fields(
+    buf: memoryview, start: int = 0, end: int | None = None
+) -> Iterator[tuple[int, int, object]]:
     """(field number, wire type, value) of a message; value is an int or a memoryview."""
     pos, end = start, len(buf) if end is None else end
     while pos < end:

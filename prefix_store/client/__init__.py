@@ -1,9 +1,11 @@
 """The client SDK of the prefix store (sync and asyncio)."""
 
+from prefix_store.client.aio import AsyncStoreClient
 from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, rendezvous
 from prefix_store.client.sync import FetchHandle, PublishResult, StoreClient
 
 __all__ = [
+    "AsyncStoreClient",
     "CachedPrefix",
     "ChunkPlan",
     "FetchHandle",

@@ -201,7 +201,10 @@ def put_messages(
 
 
 def fetch_request(
-    prefix: CachedPrefix, chunks: Sequence[ChunkPlan], layer_start: int, layer_end: int,
+    prefix: CachedPrefix,
+    chunks: Sequence[ChunkPlan],
+    layer_start: int,
+    layer_end: int,
     message_bytes: int,
 ) -> pb.FetchRequest:
     return pb.FetchRequest(
@@ -294,8 +297,7 @@ class Assembly:
         row = layer - self.layer_start
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self.error is not None
-                or self._count[row] == len(self.prefix.chunks),
+                lambda: self.error is not None or self._count[row] == len(self.prefix.chunks),
                 timeout,
             )
             if self.error is not None:

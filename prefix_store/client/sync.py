@@ -41,8 +41,13 @@ from prefix_store.shard import validate_tokens
 
 log = logging.getLogger(__name__)
 FAILOVER_FETCH = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND,
-     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
 )
 
 
@@ -124,7 +129,8 @@ class StoreClient:
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="store-client")
-        self.topology = self.describe()
+        self.topology: Topology | None = None
+        self.describe()
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -171,7 +177,7 @@ class StoreClient:
 
     def describe(self) -> Topology:
         """Ask any endpoint (or known shard) who we are and which shards are live."""
-        known = list(getattr(self, "topology", None).shards.values()) if hasattr(self, "topology") else []
+        known = list(self.topology.shards.values()) if self.topology else []
         targets = list(dict.fromkeys(self.endpoints + known))
         response = retrying(
             self.config,
@@ -188,7 +194,9 @@ class StoreClient:
     def _unary(self, shard_ids: Sequence[str], method: str, request):
         def call(shard_id: str):
             stub = self._stub(self._address(shard_id))
-            return getattr(stub, method)(request, metadata=self._metadata, timeout=self.config.timeout_s)
+            return getattr(stub, method)(
+                request, metadata=self._metadata, timeout=self.config.timeout_s
+            )
 
         return retrying(self.config, list(shard_ids), call)
 
@@ -209,7 +217,10 @@ class StoreClient:
                 continue
             if response.partial_tokens and response.partial_index == chunk.index:
                 partial = ChunkPlan(
-                    chunk.index, response.partial_key, chunk.parent, chunk.start,
+                    chunk.index,
+                    response.partial_key,
+                    chunk.parent,
+                    chunk.start,
                     response.partial_tokens,
                 )
                 cached.append(partial)
@@ -260,7 +271,9 @@ class StoreClient:
         jobs = {}
         for shard_id, group in placement.items():
             for lane, part in enumerate(split(group, self.config.streams_per_shard)):
-                job = self._pool.submit(self._put, shard_id, lane, namespace, layout, ids, part, layers)
+                job = self._pool.submit(
+                    self._put, shard_id, lane, namespace, layout, ids, part, layers
+                )
                 jobs[job] = (shard_id, part)
         return self._publish_result(jobs, chunks, namespace, layout)
 
@@ -284,7 +297,9 @@ class StoreClient:
     def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
         def call(target: str) -> int:
             put = self._bulk_put(self._address(target), lane)
-            messages = put_messages(namespace, layout, ids, chunks, layers, self.config.message_bytes)
+            messages = put_messages(
+                namespace, layout, ids, chunks, layers, self.config.message_bytes
+            )
             response = put(messages, metadata=self._metadata, timeout=self.config.stream_timeout_s)
             return response.stored_bytes
 
@@ -313,11 +328,15 @@ class StoreClient:
         self._spread(handle, list(prefix.chunks), layer_start, frozenset())
         return handle
 
-    def fetch_layers(self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None) -> int:
+    def fetch_layers(
+        self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None
+    ) -> int:
         """`start_fetch` and wait; returns the bytes received."""
         return self.start_fetch(prefix, k_out, v_out, layer_start, layer_end).wait()
 
-    def iter_layers(self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None) -> Iterator[int]:
+    def iter_layers(
+        self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None
+    ) -> Iterator[int]:
         """Yield each layer index as soon as it is complete in the outputs."""
         handle = self.start_fetch(prefix, k_out, v_out, layer_start, layer_end)
         try:
@@ -356,7 +375,9 @@ class StoreClient:
             if error.code() not in FAILOVER_FETCH:
                 assembly.fail(rpc_error(error))
                 return
-            log.warning("fetch: shard %s failed (%s); continuing from a replica", shard_id, error.code())
+            log.warning(
+                "fetch: shard %s failed (%s); continuing from a replica", shard_id, error.code()
+            )
             resume = assembly.first_missing_layer(chunks)
             self._spread(handle, chunks, resume, failed | {shard_id})
         except (StoreError, ValueError, RuntimeError) as error:
@@ -439,7 +460,9 @@ class StoreClient:
         request = pb.DeleteRequest(
             namespace=namespace, layout=layout.to_proto(pb), token_ids=validate_tokens(tokens)
         )
-        jobs = [self._pool.submit(self._unary, [s], "Delete", request) for s in self.topology.shards]
+        jobs = [
+            self._pool.submit(self._unary, [s], "Delete", request) for s in self.topology.shards
+        ]
         return sum(job.result().bytes for job in jobs)
 
     def stats(self) -> list[pb.StatsResponse]:

@@ -13,8 +13,9 @@ from cluster.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_runner):
@@ -25,8 +26,12 @@ def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_r
     out = json.loads(proc.stdout)
     assert set(out) == {"mode", "tokens", "text", "stats"}
     assert out["mode"] == "full"
-    expected = generate_full(builtin_runner, [builtin_model.encode("def square(x):")],
-                             max_new_tokens=12, eos_token_ids=builtin_model.eos_token_ids)[0]
+    expected = generate_full(
+        builtin_runner,
+        [builtin_model.encode("def square(x):")],
+        max_new_tokens=12,
+        eos_token_ids=builtin_model.eos_token_ids,
+    )[0]
     assert out["tokens"] == expected.tokens
     assert out["text"] == builtin_model.decode(expected.tokens)
     stats = out["stats"]
@@ -39,24 +44,51 @@ def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_r
 def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
     prompt = tmp_path / "code.py"
     prompt.write_text(Path(__file__).read_text(encoding="utf-8")[:2500], encoding="utf-8")
-    common = ["--prompt-file", str(prompt), "--max-new-tokens", "24", "--json",
-              "--temperature", "0.7", "--top-k", "40", "--seed", "11"]
+    common = [
+        "--prompt-file",
+        str(prompt),
+        "--max-new-tokens",
+        "24",
+        "--json",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "40",
+        "--seed",
+        "11",
+    ]
     full = run_cli("generate", "--mode", "full", *common)
     assert full.returncode == 0, full.stderr
     outputs = {"full": json.loads(full.stdout)}
     for mode in ("vericache", "lossy"):
-        proc = run_cli("generate", "--mode", mode, "--compressor", "snapkv:budget=0.25+kivi:bits=4",
-                       "--horizon", "6", *common)
+        proc = run_cli(
+            "generate",
+            "--mode",
+            mode,
+            "--compressor",
+            "snapkv:budget=0.25+kivi:bits=4",
+            "--horizon",
+            "6",
+            *common,
+        )
         assert proc.returncode == 0, proc.stderr
         outputs[mode] = json.loads(proc.stdout)
     assert outputs["vericache"]["tokens"] == outputs["full"]["tokens"]
     assert outputs["vericache"]["text"] == outputs["full"]["text"]
     stats = outputs["vericache"]["stats"]
     assert stats["mode"] == "vericache" and stats["seed"] == 11
-    assert stats["compressor"] == ("snapkv:budget=0.25,window=32,kernel=7"
-                                   "+kivi:bits=4,residual=128,group=32")
-    for key in ("verifications", "drafted", "accepted_per_verification", "compressed_bytes",
-                "full_bytes", "peak_staging_bytes", "tokens_per_s"):
+    assert stats["compressor"] == (
+        "snapkv:budget=0.25,window=32,kernel=7+kivi:bits=4,residual=128,group=32"
+    )
+    for key in (
+        "verifications",
+        "drafted",
+        "accepted_per_verification",
+        "compressed_bytes",
+        "full_bytes",
+        "peak_staging_bytes",
+        "tokens_per_s",
+    ):
         assert key in stats, key
     assert stats["drafted"] <= 6 * stats["verifications"]
     assert 0 < stats["compressed_bytes"] < stats["full_bytes"]
@@ -68,8 +100,9 @@ def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
 def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_model):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Say hi.", encoding="utf-8")
-    proc = run_cli("generate", "--prompt-file", str(prompt), "--chat", "--max-new-tokens", "40",
-                   "--json")
+    proc = run_cli(
+        "generate", "--prompt-file", str(prompt), "--chat", "--max-new-tokens", "40", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["stats"]["stop_reason"] == "eos"
@@ -81,20 +114,30 @@ def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_mo
     [
         (["generate"], "one of the arguments --prompt --prompt-file is required"),
         (["generate", "--prompt-file", "/nope"], "--prompt-file /nope: no such file"),
-        (["generate", "--prompt", "x", "--mode", "bogus"],
-         "--mode 'bogus' is unknown; choose from: full, lossy, vericache"),
-        (["generate", "--prompt", "x", "--mode", "vericache", "--compressor", "zip"],
-         "--compressor: unknown compressor 'zip'; allowed: streamingllm, snapkv, h2o"),
-        (["generate", "--prompt", "x", "--mode", "lossy", "--compressor", "kivi:bits=3"],
-         "--compressor: kivi: bits='3': must be one of 2, 4, 8"),
-        (["generate", "--prompt", "x", "--mode", "vericache", "--horizon", "many"],
-         "--horizon must be 'auto' or an integer >= 0, got 'many'"),
+        (
+            ["generate", "--prompt", "x", "--mode", "bogus"],
+            "--mode 'bogus' is unknown; choose from: full, lossy, vericache",
+        ),
+        (
+            ["generate", "--prompt", "x", "--mode", "vericache", "--compressor", "zip"],
+            "--compressor: unknown compressor 'zip'; allowed: streamingllm, snapkv, h2o",
+        ),
+        (
+            ["generate", "--prompt", "x", "--mode", "lossy", "--compressor", "kivi:bits=3"],
+            "--compressor: kivi: bits='3': must be one of 2, 4, 8",
+        ),
+        (
+            ["generate", "--prompt", "x", "--mode", "vericache", "--horizon", "many"],
+            "--horizon must be 'auto' or an integer >= 0, got 'many'",
+        ),
         (["generate", "--prompt", "x", "--horizon", "-2"], "--horizon must be 'auto'"),
         (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
         (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "x", "--top-k", "-5"], "--top-k must be >= 0"),
-        (["generate", "--prompt", "x", "--mode", "vericache", "--runner", "fast"],
-         "--runner fast applies to --mode full only"),
+        (
+            ["generate", "--prompt", "x", "--mode", "vericache", "--runner", "fast"],
+            "--runner fast applies to --mode full only",
+        ),
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "x", "--max-new-tokens", "ten"], "invalid int value: 'ten'"),
@@ -129,8 +172,12 @@ def test_prompt_longer_than_the_context_is_refused(capsys):
 
 def test_errors_from_the_installed_script_have_no_traceback():
     script = str(Path(sys.executable).parent / "vericache")
-    proc = subprocess.run([script, "generate", "--prompt", "x", "--max-new-tokens", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [script, "generate", "--prompt", "x", "--max-new-tokens", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "vericache: error: --max-new-tokens must be >= 1, got 0"

@@ -40,15 +40,23 @@ def _prompts(model) -> list[list[int]]:
     import json.decoder
     import textwrap
 
-    code = [inspect.getsource(m) for m in (argparse, dataclasses, difflib, json.decoder,
-                                           textwrap)]
+    code = [inspect.getsource(m) for m in (argparse, dataclasses, difflib, json.decoder, textwrap)]
     prose = pydoc.render_doc(str, renderer=pydoc.plaintext)
-    texts = [(code[0], 1024, False), (code[1], 1150, False), (code[2], 1250, False),
-             (code[3], 1100, False), (code[4], 2000, False), (prose, 1050, False)]
+    texts = [
+        (code[0], 1024, False),
+        (code[1], 1150, False),
+        (code[2], 1250, False),
+        (code[3], 1100, False),
+        (code[4], 2000, False),
+        (prose, 1050, False),
+    ]
     ids = [model.encode(text)[:n] for text, n, _ in texts]
     doc = model.decode(model.encode(code[2])[:1000])
-    ids.append(model.encode("Explain what this module does, then list its public "
-                            f"functions:\n\n{doc}", chat=True))
+    ids.append(
+        model.encode(
+            f"Explain what this module does, then list its public functions:\n\n{doc}", chat=True
+        )
+    )
     ids.append(model.encode(prose)[2000:3100])
     assert all(1000 <= len(p) <= 2100 for p in ids), [len(p) for p in ids]
     return ids
@@ -61,9 +69,16 @@ def workload(builtin_model, builtin_runner):
     eos = builtin_model.eos_token_ids
     split = [split_prompt(builtin_runner, p, observe=128) for p in prompts]
     refs = {
-        sampling: [r.tokens for r in generate_full(builtin_runner, prompts,
-                                                   max_new_tokens=NEW_TOKENS, eos_token_ids=eos,
-                                                   sampling=sampling)]
+        sampling: [
+            r.tokens
+            for r in generate_full(
+                builtin_runner,
+                prompts,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_ids=eos,
+                sampling=sampling,
+            )
+        ]
         for sampling in (SamplingParams(), SAMPLING)
     }
     return split, refs
@@ -79,20 +94,31 @@ def _run(runner, model, workload, config, sampling):
     return results
 
 
-@pytest.mark.parametrize("spec", [
-    pytest.param(spec, marks=() if spec == "snapkv:budget=0.125" else (pytest.mark.slow,))
-    for spec in COMPRESSORS])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(spec, marks=() if spec == "snapkv:budget=0.125" else (pytest.mark.slow,))
+        for spec in COMPRESSORS
+    ],
+)
 def test_vericache_is_token_for_token_full_kv(spec, builtin_model, builtin_runner, workload):
     """Every prompt, at horizons 1, 8, 32 and auto, greedy and seeded: 64 requests decoded
     together in one engine (each with its own horizon and sampler), each identical to its
     own full-KV reference."""
     split, refs = workload
-    cases = [(sampling, horizon, i) for sampling in (SamplingParams(), SAMPLING)
-             for horizon in HORIZONS for i in range(len(split))]
-    requests = [Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
-                for sampling, horizon, i in cases]
-    engine = Engine(builtin_runner, EngineConfig(mode="vericache", compressor=spec),
-                    builtin_model.eos_token_ids)
+    cases = [
+        (sampling, horizon, i)
+        for sampling in (SamplingParams(), SAMPLING)
+        for horizon in HORIZONS
+        for i in range(len(split))
+    ]
+    requests = [
+        Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
+        for sampling, horizon, i in cases
+    ]
+    engine = Engine(
+        builtin_runner, EngineConfig(mode="vericache", compressor=spec), builtin_model.eos_token_ids
+    )
     results = engine.run(requests)
     for prefix, _ in split:
         prefix.artifacts.clear()
@@ -119,19 +145,21 @@ def test_lossy_mode_really_is_lossy(builtin_model, builtin_runner, workload):
         expected_ratio = prefix.source.length / 64  # positions add 4 bytes per 512 of KV
         assert r.stats["compression_ratio"] == pytest.approx(expected_ratio, rel=0.01)
         assert r.stats["compressed_bytes"] * expected_ratio == pytest.approx(
-            r.stats["full_bytes"], rel=0.01)
+            r.stats["full_bytes"], rel=0.01
+        )
 
 
 def test_batched_requests_match_each_alone(builtin_model, builtin_runner, workload):
     split, refs = workload
     config = EngineConfig(mode="vericache", compressor="snapkv:budget=0.125", horizon=8)
     batch = Engine(builtin_runner, config, builtin_model.eos_token_ids).run(
-        [Request(p, s, 24, SAMPLING) for p, s in split[:3]])
+        [Request(p, s, 24, SAMPLING) for p, s in split[:3]]
+    )
     for (prefix, suffix), together in zip(split[:3], batch, strict=True):
         alone = Engine(builtin_runner, config, builtin_model.eos_token_ids).run(
-            [Request(prefix, suffix, 24, SAMPLING)])[0]
-        assert alone.tokens == together.tokens == refs[SAMPLING][split.index(
-            (prefix, suffix))][:24]
+            [Request(prefix, suffix, 24, SAMPLING)]
+        )[0]
+        assert alone.tokens == together.tokens == refs[SAMPLING][split.index((prefix, suffix))][:24]
 
 
 @pytest.mark.parametrize("mode", ["full", "vericache"])
@@ -142,11 +170,16 @@ def test_multi_token_suffix_over_a_shared_prefix(mode, builtin_model, builtin_ru
     tail = list(prefix.tokens[-40:])
     shared = prefill_prefix(builtin_runner, prefix.tokens[:-40], observe=128)
     suffixes = [tail + suffix, tail[:10] + [1000, 2000, 3000]]
-    want = [r.tokens for r in generate_full(
-        builtin_runner, [shared.tokens + s for s in suffixes], max_new_tokens=20,
-        eos_token_ids=builtin_model.eos_token_ids)]
-    engine = Engine(builtin_runner, EngineConfig(mode=mode, horizon=6),
-                    builtin_model.eos_token_ids)
+    want = [
+        r.tokens
+        for r in generate_full(
+            builtin_runner,
+            [shared.tokens + s for s in suffixes],
+            max_new_tokens=20,
+            eos_token_ids=builtin_model.eos_token_ids,
+        )
+    ]
+    engine = Engine(builtin_runner, EngineConfig(mode=mode, horizon=6), builtin_model.eos_token_ids)
     got = engine.run([Request(shared, s, 20) for s in suffixes])
     assert [r.tokens for r in got] == want
 
@@ -154,8 +187,9 @@ def test_multi_token_suffix_over_a_shared_prefix(mode, builtin_model, builtin_ru
 def test_staging_holds_at_most_one_layer(builtin_model, builtin_runner, workload):
     split, _ = workload
     prefix, suffix = split[4]  # the 2000-token prompt
-    engine = Engine(builtin_runner, EngineConfig(mode="vericache", horizon=32),
-                    builtin_model.eos_token_ids)
+    engine = Engine(
+        builtin_runner, EngineConfig(mode="vericache", horizon=32), builtin_model.eos_token_ids
+    )
     stats = engine.run([Request(prefix, suffix, 40)])[0].stats
     c = builtin_model.config
     one_layer = 2 * c.num_kv_heads * 2048 * c.head_dim * 4  # rounded up to 256-key chunks
@@ -166,8 +200,9 @@ def test_staging_holds_at_most_one_layer(builtin_model, builtin_runner, workload
 def test_horizon_zero_and_single_token_budgets(builtin_model, builtin_runner, workload):
     split, refs = workload
     prefix, suffix = split[3]
-    engine = Engine(builtin_runner, EngineConfig(mode="vericache", horizon=0),
-                    builtin_model.eos_token_ids)
+    engine = Engine(
+        builtin_runner, EngineConfig(mode="vericache", horizon=0), builtin_model.eos_token_ids
+    )
     result = engine.run([Request(prefix, suffix, 5)])[0]
     assert result.tokens == refs[SamplingParams()][3][:5]
     assert result.stats["drafted"] == 0 and result.stats["verifications"] == 4
@@ -177,22 +212,29 @@ def test_horizon_zero_and_single_token_budgets(builtin_model, builtin_runner, wo
 
 def test_chat_request_stops_at_eos_like_full(builtin_model, builtin_runner):
     prompt = builtin_model.encode("Say hello in one short sentence.", chat=True)
-    want = generate_full(builtin_runner, [prompt], max_new_tokens=60,
-                         eos_token_ids=builtin_model.eos_token_ids)[0]
+    want = generate_full(
+        builtin_runner, [prompt], max_new_tokens=60, eos_token_ids=builtin_model.eos_token_ids
+    )[0]
     assert want.stop_reason == "eos"
     prefix, suffix = split_prompt(builtin_runner, prompt)
     for horizon in (4, None):
-        got = Engine(builtin_runner, EngineConfig(mode="vericache", horizon=horizon),
-                     builtin_model.eos_token_ids).run([Request(prefix, suffix, 60)])[0]
+        got = Engine(
+            builtin_runner,
+            EngineConfig(mode="vericache", horizon=horizon),
+            builtin_model.eos_token_ids,
+        ).run([Request(prefix, suffix, 60)])[0]
         assert got.tokens == want.tokens and got.stop_reason == "eos"
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"mode": "turbo"}, "mode must be one of full, lossy, vericache"),
-    ({"horizon": -1}, "horizon must be >= 0"),
-    ({"max_horizon": 0}, "max_horizon must be >= 1"),
-    ({"draft_mode": "sloppy"}, "draft_mode must be 'exact' or 'fast'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "turbo"}, "mode must be one of full, lossy, vericache"),
+        ({"horizon": -1}, "horizon must be >= 0"),
+        ({"max_horizon": 0}, "max_horizon must be >= 1"),
+        ({"draft_mode": "sloppy"}, "draft_mode must be 'exact' or 'fast'"),
+    ],
+)
 def test_engine_config_is_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)

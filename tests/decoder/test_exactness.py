@@ -11,15 +11,42 @@ from decoder.runner import ModelRunner, SeqInput
 from decoder.weights import random_weights
 
 TINY_CONFIGS = {
-    "gqa-tied": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True),
-    "mha-untied": ModelConfig(vocab_size=300, hidden_size=96, intermediate_size=160,
-                              num_layers=3, num_heads=3, num_kv_heads=3, head_dim=32),
+    "gqa-tied": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
+    "mha-untied": ModelConfig(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_layers=3,
+        num_heads=3,
+        num_kv_heads=3,
+        head_dim=32,
+    ),
     "mqa-llama3-rope": ModelConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=352, num_layers=2, num_heads=8,
-        num_kv_heads=1, head_dim=16,
-        rope=RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0,
-                        high_freq_factor=4.0, original_max_positions=64)),
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=352,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=16,
+        rope=RopeConfig(
+            theta=500000.0,
+            kind="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_positions=64,
+        ),
+    ),
 }
 # Small key chunks and query blocks so that 100 tokens cross many chunk and block boundaries.
 TINY_RC = RunnerConfig(key_chunk=32, query_block=48)
@@ -29,8 +56,10 @@ T = 100
 def run_pieces(runner: ModelRunner, tokens: torch.Tensor, cuts: list[int], capacity: int = 0):
     """Feed tokens[cuts[i]:cuts[i+1]] call by call; return all logits [T, V] and the cache."""
     cache = runner.new_cache(capacity)
-    logits = [runner.forward([SeqInput.extend(cache, tokens[s:e], "all")])[0]
-              for s, e in zip(cuts[:-1], cuts[1:], strict=True)]
+    logits = [
+        runner.forward([SeqInput.extend(cache, tokens[s:e], "all")])[0]
+        for s, e in zip(cuts[:-1], cuts[1:], strict=True)
+    ]
     return torch.cat(logits), cache
 
 
@@ -88,15 +117,17 @@ def test_batch_equals_each_alone(tiny):
     def run(batch: list[int]):
         caches = {i: runner.new_cache() for i in batch}
         first = runner.forward([SeqInput.extend(caches[i], prompts[i], "all") for i in batch])
-        nxt = [tokens[steps[i][0]:steps[i][0] + steps[i][1]] for i in batch]
-        second = runner.forward([SeqInput.extend(caches[i], x, "all")
-                                 for i, x in zip(batch, nxt, strict=True)])
-        return {i: (torch.cat([f, s]), caches[i])
-                for i, f, s in zip(batch, first, second, strict=True)}
+        nxt = [tokens[steps[i][0] : steps[i][0] + steps[i][1]] for i in batch]
+        second = runner.forward(
+            [SeqInput.extend(caches[i], x, "all") for i, x in zip(batch, nxt, strict=True)]
+        )
+        return {
+            i: (torch.cat([f, s]), caches[i]) for i, f, s in zip(batch, first, second, strict=True)
+        }
 
     together = run([0, 1, 2])
     for i in range(3):
-        (alone_logits, alone_cache), = run([i]).values()
+        ((alone_logits, alone_cache),) = run([i]).values()
         logits, cache = together[i]
         assert_bitwise(logits, cache, alone_logits, alone_cache, len(cache))
 
@@ -112,10 +143,11 @@ def test_builtin_model_grouping_batch_and_future(builtin_runner):
     cache, neighbour = runner.new_cache(), runner.new_cache()
     got = [runner.forward([SeqInput.extend(cache, tokens[:240], "all")])[0]]
     for t in range(240, 260):  # single decode steps across the chunk boundary at 256
-        got.append(runner.forward([SeqInput.extend(cache, tokens[t:t + 1], "all")])[0])
+        got.append(runner.forward([SeqInput.extend(cache, tokens[t : t + 1], "all")])[0])
     got.append(runner.forward([SeqInput.extend(cache, tokens[260:291], "all")])[0])
-    batched = runner.forward([SeqInput.extend(neighbour, other, "all"),
-                              SeqInput.extend(cache, tokens[291:], "all")])
+    batched = runner.forward(
+        [SeqInput.extend(neighbour, other, "all"), SeqInput.extend(cache, tokens[291:], "all")]
+    )
     got.append(batched[1])
     assert_bitwise(torch.cat(got), cache, whole_logits, whole, 300)
 
@@ -141,8 +173,15 @@ def test_exact_mode_is_refused_when_kernels_depend_on_grouping(monkeypatch):
         return real(q, *args, **kwargs) * (1.0 + 1e-6 * q.shape[0])
 
     monkeypatch.setattr(runner_module, "exact_attention", grouping_dependent)
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                         num_heads=2, num_kv_heads=1, head_dim=16)
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+    )
     runner = ModelRunner(config, random_weights(config), TINY_RC)
     with pytest.raises(ExactModeUnsupported, match="exact mode refused.*differ"):
         runner.forward([SeqInput.extend(runner.new_cache(), [1, 2, 3])])
@@ -162,8 +201,11 @@ def test_exact_mode_is_refused_when_kernels_depend_on_grouping(monkeypatch):
 def test_malformed_input_is_a_clear_error(tokens, positions, message):
     config = TINY_CONFIGS["gqa-tied"]
     runner = ModelRunner(config, random_weights(config), TINY_RC)
-    seq = SeqInput(torch.tensor(tokens, dtype=torch.long),
-                   torch.tensor(positions, dtype=torch.long), runner.new_cache())
+    seq = SeqInput(
+        torch.tensor(tokens, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long),
+        runner.new_cache(),
+    )
     with pytest.raises(ValueError, match=message):
         runner.forward([seq])
 

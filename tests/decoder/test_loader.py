@@ -55,12 +55,23 @@ def tiny_hf_folder(tmp_path_factory, builtin_model):
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
-        vocab_size=builtin_model.config.vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
+        vocab_size=builtin_model.config.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()

@@ -28,8 +28,12 @@ def test_seeded_choice_depends_only_on_seed_position_and_logits():
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
-    counts = torch.bincount(torch.tensor([sampler.choose(logits, i) for i in range(3000)]),
-                            minlength=3).double() / 3000
+    counts = (
+        torch.bincount(
+            torch.tensor([sampler.choose(logits, i) for i in range(3000)]), minlength=3
+        ).double()
+        / 3000
+    )
     assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64), atol=0.04)
 
 
@@ -48,8 +52,9 @@ def test_unseeded_sampling_gets_a_reported_seed():
     assert Sampler(SamplingParams()).params.seed is None
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0},
-                                    {"top_p": 1.5}, {"seed": -1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1}]
+)
 def test_bad_parameters_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)

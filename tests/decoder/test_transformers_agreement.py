@@ -10,7 +10,7 @@ from decoder.runner import SeqInput
 
 NEW_TOKENS = 32
 PROMPTS = [  # (text, wrap in the chat template)
-    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False),
     ("import json\n\nwith open('config.json') as f:\n    config = ", False),
     ("The history of the printing press begins in", False),
     ("Once upon a time, in a village by the sea, there lived", False),
@@ -36,10 +36,16 @@ def test_greedy_continuations_match_transformers(builtin_model, builtin_runner, 
     ours = generate_full(builtin_runner, prompts, max_new_tokens=NEW_TOKENS, eos_token_ids=eos)
     exact = 0
     for prompt, result in zip(prompts, ours, strict=True):
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
-                                output_scores=True, return_dict_in_generate=True)
-        theirs = out.sequences[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=list(eos),
+            pad_token_id=eos[0],
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        theirs = out.sequences[0, len(prompt) :].tolist()
         if theirs == result.tokens:
             exact += 1
             continue
@@ -47,8 +53,9 @@ def test_greedy_continuations_match_transformers(builtin_model, builtin_runner, 
         a, b = result.tokens[step], theirs[step]
         our_logits = _our_logits(builtin_runner, prompt + result.tokens[:step])
         hf_logits = out.scores[step][0]
-        gap = min(abs(float(our_logits[a] - our_logits[b])),
-                  abs(float(hf_logits[a] - hf_logits[b])))
+        gap = min(
+            abs(float(our_logits[a] - our_logits[b])), abs(float(hf_logits[a] - hf_logits[b]))
+        )
         assert gap <= NEAR_TIE, (
             f"prompt {prompt[:8]}...: step {step} differs (ours {a}, transformers {b}) "
             f"without a near-tie: logit gap {gap:.2e}"

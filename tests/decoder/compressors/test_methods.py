@@ -12,8 +12,15 @@ from decoder.kv_cache import KVCache
 from decoder.kv_source import LocalKVSource
 
 LAYERS, HEADS, KV_HEADS, DIM, N = 4, 6, 2, 64, 1000
-CONFIG = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=LAYERS,
-                     num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM)
+CONFIG = ModelConfig(
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=8,
+    num_layers=LAYERS,
+    num_heads=HEADS,
+    num_kv_heads=KV_HEADS,
+    head_dim=DIM,
+)
 FULL_BYTES = LAYERS * 2 * KV_HEADS * N * DIM * 4
 
 
@@ -22,8 +29,11 @@ def prefix():
     g = torch.Generator().manual_seed(0)
     cache = KVCache(CONFIG, granule=256, capacity=N)
     for layer in cache.layers:
-        layer.append(torch.randn(KV_HEADS, N, DIM, generator=g),
-                     torch.randn(KV_HEADS, N, DIM, generator=g), torch.arange(N))
+        layer.append(
+            torch.randn(KV_HEADS, N, DIM, generator=g),
+            torch.randn(KV_HEADS, N, DIM, generator=g),
+            torch.arange(N),
+        )
     observed = [torch.randn(128, HEADS, DIM, generator=g) for _ in range(LAYERS)]
     return LocalKVSource(cache), observed, cache
 
@@ -62,8 +72,9 @@ def test_score_based_droppers_keep_the_budget_per_head_with_the_window(spec, pre
         assert bool((layer.positions.diff(dim=1) > 0).all()), "increasing positions per head"
         assert int(layer.positions[:, -1].min()) == N - 1, "the most recent token is kept"
         assert_original_kv(layer, cache_layer)
-    heads_differ = any(not torch.equal(layer.positions[0], layer.positions[1])
-                       for layer in out.layers)
+    heads_differ = any(
+        not torch.equal(layer.positions[0], layer.positions[1]) for layer in out.layers
+    )
     assert heads_differ, "each kv head picks its own tokens"
     assert out.ratio > 7.5
 
@@ -75,8 +86,9 @@ def test_snapkv_keeps_the_keys_the_window_attends_to(prefix):
     for layer, q in zip(loud.layers, observed, strict=True):
         direction = q[-32:].mean(0).view(KV_HEADS, HEADS // KV_HEADS, DIM).mean(1)
         layer.k[:, 123] = 50 * direction / direction.norm(dim=-1, keepdim=True)
-    out = parse_compressor("snapkv:budget=64").compress(LocalKVSource(loud), observed,
-                                                        LAYERS, KV_HEADS, DIM)
+    out = parse_compressor("snapkv:budget=64").compress(
+        LocalKVSource(loud), observed, LAYERS, KV_HEADS, DIM
+    )
     for layer in out.layers:
         assert bool((layer.positions == 123).any(dim=1).all())
 
@@ -99,7 +111,8 @@ def test_kivi_stores_packed_codes_and_fp16_scales(bits, prefix):
         + 2 * 2 * (quantized // 32) * DIM  # key scale + zero per 32-token group and channel
         + 2 * 2 * quantized * (DIM // 32)  # value scale + zero per token and 32-channel group
         + 2 * residual * DIM * 4  # fp32 residual keys and values
-        + N * 4)  # int32 positions
+        + N * 4
+    )  # int32 positions
     assert out.nbytes == LAYERS * per_layer
     for layer, cache_layer in zip(out.layers, prefix[2].layers, strict=True):
         k, v = layer.materialize()
@@ -107,7 +120,7 @@ def test_kivi_stores_packed_codes_and_fp16_scales(bits, prefix):
         assert torch.equal(k[:, quantized:], cache_layer.k[:, quantized:N])
         err = (k[:, :quantized] - cache_layer.k[:, :quantized]).abs().max()
         spread = cache_layer.k[:, :N].max() - cache_layer.k[:, :N].min()
-        assert err <= spread / (2 ** bits - 1), "within one quantization step"
+        assert err <= spread / (2**bits - 1), "within one quantization step"
 
 
 def test_composition_drops_then_quantizes(prefix):
@@ -121,7 +134,7 @@ def test_composition_drops_then_quantizes(prefix):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_round_trips(bits):
-    codes = torch.randint(0, 2 ** bits, (3, 5, 64), dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8)
     packed = _pack(codes, bits)
     assert packed.shape == (3, 5, 64 * bits // 8)
     assert torch.equal(_unpack(packed, bits), codes)
@@ -131,5 +144,6 @@ def test_empty_and_short_prefixes_are_kept_whole(prefix):
     source, observed, cache = prefix
     short = LocalKVSource(cache, 20)
     out = parse_compressor("snapkv:budget=64+kivi:bits=2").compress(
-        short, [q[-20:] for q in observed], LAYERS, KV_HEADS, DIM)
+        short, [q[-20:] for q in observed], LAYERS, KV_HEADS, DIM
+    )
     assert all(layer.kept == 20 and not layer.quantized for layer in out.layers)

@@ -1,0 +1,43 @@
+"""The shard as a Ray actor: one process per shard, serving gRPC itself.
+
+Shards need the custom resource `storage` (one unit each), so Ray places them only on
+nodes that advertise it: storage nodes on a cluster, this machine in the embedded default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+
+from prefix_store.config import ShardConfig
+from prefix_store.server import ShardServer
+
+STORAGE_RESOURCE = "storage"
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
+class ShardActor:
+    def __init__(self, config: ShardConfig, redis_url: str) -> None:
+        if config.host == "0.0.0.0" and config.advertise_host is None:
+            config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
+        self.server = ShardServer(config, redis_url)
+
+    def start(self) -> str:
+        """Serve and join the membership; returns the address clients dial."""
+        return self.server.start()
+
+    def stats(self) -> dict:
+        return self.server.servicer.shard_stats()
+
+    def stop(self) -> None:
+        """Graceful: leave the membership, finish RPCs, persist memory to disk."""
+        self.server.stop()
+
+
+def shard_actor(config: ShardConfig, redis_url: str, name: str | None = None):
+    """Create (not start) a shard actor on a node with the storage resource."""
+    options = {"resources": {STORAGE_RESOURCE: 1}}
+    if name:
+        options["name"] = name
+    return ShardActor.options(**options).remote(config, redis_url)

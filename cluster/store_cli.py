@@ -1,0 +1,230 @@
+"""Store subcommands of `vericache`: serve, status, tenant, namespace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import threading
+from pathlib import Path
+
+from prefix_store.errors import InvalidArgument
+from prefix_store.metadata import Metadata
+
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1000, 512MiB, 4GiB, 10GB)")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def add_commands(sub) -> None:
+    """Register the store subcommands (each sets `parse` and `run`, as cli.py expects)."""
+    serve = sub.add_parser("serve", help="run the prefix store (embedded, or on a Ray cluster)")
+    serve.add_argument(
+        "--address",
+        help="Ray cluster address ('auto' on a cluster node); default: embedded on this machine",
+    )
+    serve.add_argument("--shards", type=int, default=2, help="store shards (default 2)")
+    serve.add_argument("--redis-url", help="existing Redis; default: start the embedded one")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="bind address of the shards (0.0.0.0 for other hosts)"
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="first shard port, shard i on PORT+i (default: free ports)",
+    )
+    serve.add_argument(
+        "--memory-bytes",
+        type=parse_bytes,
+        default="2GiB",
+        help="memory tier per shard (default 2GiB)",
+    )
+    serve.add_argument(
+        "--disk-bytes",
+        type=parse_bytes,
+        default="8GiB",
+        help="disk tier per shard, 0 for none (default 8GiB)",
+    )
+    serve.add_argument("--state-dir", type=Path, help="Redis data and disk tiers")
+    serve.add_argument(
+        "--replication", type=int, help="copies per chunk (default 2 if >= 2 shards)"
+    )
+    serve.set_defaults(parse=lambda ns: ns, run=run_serve)
+
+    status = sub.add_parser("status", help="shards, capacity, usage per tenant, hit rates")
+    status.add_argument("--redis-url", help="default: the service started on this machine")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(parse=lambda ns: ns, run=run_status)
+
+    tenant = sub.add_parser("tenant", help="manage tenants").add_subparsers(
+        dest="action", required=True, parser_class=sub._parser_class
+    )
+    add = tenant.add_parser("add", help="create a tenant and print its bearer token")
+    add.add_argument("name")
+    add.add_argument(
+        "--quota",
+        type=parse_bytes,
+        default=0,
+        help="bytes the tenant may store, replicas included (default unlimited)",
+    )
+    add.add_argument("--redis-url")
+    add.set_defaults(parse=lambda ns: ns, run=run_tenant_add)
+    lst = tenant.add_parser("list", help="tenants with quotas, usage and namespaces")
+    lst.add_argument("--redis-url")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(parse=lambda ns: ns, run=run_tenant_list)
+
+    space = sub.add_parser("namespace", help="manage shared namespaces").add_subparsers(
+        dest="action", required=True, parser_class=sub._parser_class
+    )
+    nadd = space.add_parser("add", help="create a shared namespace or add members to it")
+    nadd.add_argument("name")
+    nadd.add_argument("--member", action="append", default=[], help="tenant (repeatable)")
+    nadd.add_argument("--redis-url")
+    nadd.set_defaults(parse=lambda ns: ns, run=run_namespace_add)
+    nlist = space.add_parser("list", help="shared namespaces and their members")
+    nlist.add_argument("--redis-url")
+    nlist.set_defaults(parse=lambda ns: ns, run=run_namespace_list)
+
+
+def metadata(ns) -> Metadata:
+    from cluster.serve import read_state
+
+    url = ns.redis_url or read_state()["redis_url"]
+    return Metadata(url)
+
+
+def run_serve(ns) -> int:
+    from cluster.serve import Deployment, ServeConfig, home
+
+    try:
+        config = ServeConfig(
+            address=ns.address,
+            shards=ns.shards,
+            redis_url=ns.redis_url,
+            host=ns.host,
+            port=ns.port,
+            memory_bytes=ns.memory_bytes,
+            disk_bytes=ns.disk_bytes,
+            state_dir=ns.state_dir or home() / "state",
+            replication=ns.replication,
+        )
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from error
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    deployment = Deployment(config).start()
+    try:
+        print(f"vericache store: {config.shards} shard(s) up", flush=True)
+        for endpoint in deployment.endpoints.values():
+            print(f"  endpoint {endpoint}")
+        print(f"  redis    {deployment.redis_url}")
+        print("  next: vericache tenant add NAME   (Ctrl-C stops the service)", flush=True)
+        stop.wait()
+    finally:
+        print("vericache store: shutting down", flush=True)
+        deployment.stop()
+    return 0
+
+
+def _status(md: Metadata) -> dict:
+    shards = md.shards()
+    usage = md.usage()
+    tenants = []
+    for name in md.tenant_names():
+        record = md.tenant(name)
+        tenants.append(
+            {
+                "name": name,
+                "quota": record.quota if record else 0,
+                "bytes": usage.get(name, 0),
+                "namespaces": sorted(n for n in (record.namespaces if record else {}) if n),
+            }
+        )
+    return {
+        "shards": [{"shard_id": s.shard_id, "address": s.address, **s.info} for s in shards],
+        "tenants": tenants,
+        "replication": md.replication() or min(2, max(1, len(shards))),
+    }
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def run_status(ns) -> int:
+    status = _status(metadata(ns))
+    if ns.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"shards: {len(status['shards'])} live, replication {status['replication']}")
+    print(
+        f"  {'shard':<10} {'address':<22} {'memory':>21} {'disk':>21} {'chunks':>7} {'hit rate':>8}"
+    )
+    for s in status["shards"]:
+        lookups = s["lookup_hits"] + s["lookup_misses"]
+        rate = f"{s['lookup_hits'] / lookups:.0%}" if lookups else "-"
+        memory = f"{_size(s['memory_bytes'])}/{_size(s['memory_capacity'])}"
+        disk = f"{_size(s['disk_bytes'])}/{_size(s['disk_capacity'])}"
+        print(
+            f"  {s['shard_id']:<10} {s['address']:<22} {memory:>21} {disk:>21} "
+            f"{s['chunks']:>7} {rate:>8}"
+        )
+    print(f"tenants: {len(status['tenants'])}")
+    for t in status["tenants"]:
+        quota = _size(t["quota"]) if t["quota"] else "unlimited"
+        shared = ", ".join(t["namespaces"]) or "-"
+        print(f"  {t['name']:<16} {_size(t['bytes']):>12} of {quota:<12} shared: {shared}")
+    return 0
+
+
+def run_tenant_add(ns) -> int:
+    token = metadata(ns).add_tenant(ns.name, ns.quota)
+    print(token)
+    return 0
+
+
+def run_tenant_list(ns) -> int:
+    status = _status(metadata(ns))
+    if ns.json:
+        print(json.dumps(status["tenants"], indent=2))
+        return 0
+    for t in status["tenants"]:
+        quota = _size(t["quota"]) if t["quota"] else "unlimited"
+        print(f"{t['name']}\t{_size(t['bytes'])}\t{quota}\t{','.join(t['namespaces']) or '-'}")
+    return 0
+
+
+def run_namespace_add(ns) -> int:
+    metadata(ns).add_shared(ns.name, ns.member)
+    print(f"namespace {ns.name}: members {', '.join(metadata(ns).shared_namespaces()[ns.name])}")
+    return 0
+
+
+def run_namespace_list(ns) -> int:
+    for name, members in metadata(ns).shared_namespaces().items():
+        print(f"{name}\t{','.join(members) or '-'}")
+    return 0

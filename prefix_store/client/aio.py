@@ -1,0 +1,370 @@
+"""The asyncio client SDK: the same operations and guarantees as `StoreClient`, on grpc.aio.
+
+Use `await AsyncStoreClient.connect(endpoints, token)`. Fetches stream into caller-owned
+tensors with the same failover (a failed stream resumes on a replica from its first
+incomplete layer); `iter_layers` is an async generator of completed layer indices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import google_crc32c
+import grpc
+from vericache.v1 import prefix_store_pb2 as pb
+from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
+
+from prefix_store.client.plan import (
+    Assembly,
+    CachedPrefix,
+    ChunkPlan,
+    Topology,
+    as_layers,
+    fetch_request,
+    group_by_owner,
+    plan_chunks,
+    put_messages,
+    split,
+)
+from prefix_store.client.retry import retrying_async, rpc_error
+from prefix_store.client.sync import (
+    FAILOVER_FETCH,
+    FETCH_METHOD,
+    PUT_METHOD,
+    PublishResult,
+    _same,
+    artifact_placement,
+    channel_options,
+)
+from prefix_store.config import ClientConfig
+from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
+from prefix_store.layout import KVLayout
+from prefix_store.shard import validate_tokens
+
+
+class AsyncStoreClient:
+    def __init__(self, endpoints, token: str, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise InvalidArgument("endpoints: at least one host:port is required")
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        self.topology: Topology | None = None
+
+    @classmethod
+    async def connect(cls, endpoints, token: str, config: ClientConfig | None = None):
+        client = cls(endpoints, token, config)
+        await client.describe()
+        return client
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def __aenter__(self) -> AsyncStoreClient:
+        if self.topology is None:
+            await self.describe()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _channel(self, address: str, lane: int = 0) -> grpc.aio.Channel:
+        channel = self._channels.get((address, lane))
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=channel_options(self.config))
+            self._channels[(address, lane)] = channel
+        return channel
+
+    def _stub(self, address: str, lane: int = 0) -> pb_grpc.PrefixStoreStub:
+        return pb_grpc.PrefixStoreStub(self._channel(address, lane))
+
+    def _address(self, shard_id: str) -> str:
+        return self.topology.shards[shard_id]
+
+    async def describe(self) -> Topology:
+        known = list(self.topology.shards.values()) if self.topology else []
+        targets = list(dict.fromkeys(self.endpoints + known))
+        response = await retrying_async(
+            self.config,
+            targets,
+            lambda address: self._stub(address).Describe(
+                pb.DescribeRequest(), metadata=self._metadata, timeout=self.config.timeout_s
+            ),
+        )
+        self.topology = Topology.from_proto(response)
+        if not self.topology.shards:
+            raise Unavailable("the store has no live shards")
+        return self.topology
+
+    async def _unary(self, shard_ids: Sequence[str], method: str, request):
+        async def call(shard_id: str):
+            stub = self._stub(self._address(shard_id))
+            return await getattr(stub, method)(
+                request, metadata=self._metadata, timeout=self.config.timeout_s
+            )
+
+        return await retrying_async(self.config, list(shard_ids), call)
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    async def lookup(
+        self, tokens: Sequence[int], layout: KVLayout, namespace: str = ""
+    ) -> CachedPrefix:
+        ids = validate_tokens(tokens)
+        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
+        if not chunks:
+            return CachedPrefix(namespace, layout, 0, ())
+        groups = group_by_owner(chunks, self.topology)
+        calls, members = [], []
+        for shard_id, group in groups.items():
+            end = max(c.start + c.tokens for c in group)
+            request = pb.LookupRequest(
+                namespace=namespace,
+                layout=layout.to_proto(pb),
+                token_ids=ids[:end],
+                chunk_indices=[c.index for c in group],
+            )
+            owners = [shard_id] + [
+                s for s in self.topology.owners(group[0].parent) if s != shard_id
+            ]
+            calls.append(self._unary(owners, "Lookup", request))
+            members.append(group)
+        answers = {}
+        for group, response in zip(members, await asyncio.gather(*calls), strict=True):
+            for chunk in group:
+                answers[chunk.index] = response
+        cached: list[ChunkPlan] = []
+        for chunk in chunks:
+            response = answers[chunk.index]
+            if chunk.index in set(response.present):
+                cached.append(chunk)
+                continue
+            if response.partial_tokens and response.partial_index == chunk.index:
+                cached.append(
+                    ChunkPlan(
+                        chunk.index,
+                        response.partial_key,
+                        chunk.parent,
+                        chunk.start,
+                        response.partial_tokens,
+                    )
+                )
+            break
+        return CachedPrefix(namespace, layout, sum(c.tokens for c in cached), tuple(cached))
+
+    # ---- publish --------------------------------------------------------------------------
+
+    async def publish_prefix(
+        self, tokens: Sequence[int], kv, layout: KVLayout, namespace: str = ""
+    ) -> PublishResult:
+        ids = validate_tokens(tokens)
+        if not ids:
+            raise InvalidArgument("tokens: at least one token is required")
+        layers = as_layers(kv, layout, len(ids))
+        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
+        placement: dict[str, list[ChunkPlan]] = {}
+        for chunk in chunks:
+            for shard_id in self.topology.owners(chunk.parent):
+                placement.setdefault(shard_id, []).append(chunk)
+        jobs = []
+        for shard_id, group in placement.items():
+            for lane, part in enumerate(split(group, self.config.streams_per_shard)):
+                jobs.append(
+                    (
+                        shard_id,
+                        part,
+                        self._put(shard_id, lane, namespace, layout, ids, part, layers),
+                    )
+                )
+        results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
+        stored, placed, failures = 0, {c.index: 0 for c in chunks}, []
+        for (_, part, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, Unavailable):
+                failures.append(result)
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            stored += result
+            for chunk in part:
+                placed[chunk.index] += 1
+        if any(n == 0 for n in placed.values()):
+            raise failures[0] if failures else Unavailable("publish: a chunk found no shard")
+        missing = sum(self.topology.replication - n for n in placed.values())
+        prefix = CachedPrefix(namespace, layout, len(ids), tuple(chunks))
+        return PublishResult(prefix, stored, max(0, missing))
+
+    async def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
+        async def call(target: str) -> int:
+            put = self._channel(self._address(target), lane).stream_unary(
+                PUT_METHOD,
+                request_serializer=_same,
+                response_deserializer=pb.PutResponse.FromString,
+            )
+            messages = put_messages(
+                namespace, layout, ids, chunks, layers, self.config.message_bytes
+            )
+            response = await put(
+                iter(messages), metadata=self._metadata, timeout=self.config.stream_timeout_s
+            )
+            return response.stored_bytes
+
+        return await retrying_async(self.config, [shard_id], call)
+
+    # ---- fetch ----------------------------------------------------------------------------
+
+    async def iter_layers(
+        self, prefix: CachedPrefix, k_out, v_out, layer_start: int = 0, layer_end: int | None = None
+    ) -> AsyncIterator[int]:
+        """Stream layers into `k_out`/`v_out` (as `StoreClient.start_fetch`), yielding each
+        layer index once it is complete."""
+        layer_end = prefix.layout.num_layers if layer_end is None else layer_end
+        if not 0 <= layer_start < layer_end <= prefix.layout.num_layers:
+            raise InvalidArgument(f"layers: [{layer_start}, {layer_end}) out of range")
+        if not prefix.chunks:
+            raise NotFound("fetch: the prefix has no cached chunks")
+        assembly = Assembly(prefix, k_out, v_out, layer_start, layer_end)
+        progress = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+
+        def spread(chunks, layer_from: int, failed: frozenset) -> None:
+            try:
+                groups = group_by_owner(chunks, self.topology, failed)
+            except NotFound as error:
+                assembly.fail(Unavailable(f"fetch: {error} (tried {sorted(failed)})"))
+                progress.set()
+                return
+            for shard_id, group in groups.items():
+                for lane, part in enumerate(split(group, self.config.streams_per_shard)):
+                    task = asyncio.ensure_future(stream(shard_id, lane, part, layer_from, failed))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+
+        async def stream(shard_id, lane, chunks, layer_from, failed) -> None:
+            request = fetch_request(
+                prefix, chunks, layer_from, layer_end, self.config.message_bytes
+            )
+            fetch = self._channel(self._address(shard_id), lane).unary_stream(
+                FETCH_METHOD,
+                request_serializer=pb.FetchRequest.SerializeToString,
+                response_deserializer=_same,
+            )
+            try:
+                async for raw in fetch(
+                    request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+                ):
+                    assembly.apply(chunks, raw)
+                    progress.set()
+            except grpc.RpcError as error:
+                if error.code() not in FAILOVER_FETCH:
+                    assembly.fail(rpc_error(error))
+                else:
+                    spread(chunks, assembly.first_missing_layer(chunks), failed | {shard_id})
+            except (StoreError, ValueError, RuntimeError) as error:
+                assembly.fail(error)
+            progress.set()
+
+        spread(list(prefix.chunks), layer_start, frozenset())
+        try:
+            for layer in range(layer_start, layer_end):
+                while not assembly.layer_ready(layer):
+                    if assembly.error is not None:
+                        raise assembly.error
+                    if not tasks:
+                        raise Unavailable(f"fetch: layer {layer} never arrived")
+                    progress.clear()
+                    await asyncio.wait_for(progress.wait(), self.config.stream_timeout_s)
+                yield layer
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def fetch_layers(self, prefix, k_out, v_out, layer_start=0, layer_end=None) -> int:
+        """Stream all requested layers into the outputs; returns the bytes received."""
+        async for _ in self.iter_layers(prefix, k_out, v_out, layer_start, layer_end):
+            pass
+        end = prefix.layout.num_layers if layer_end is None else layer_end
+        return sum(prefix.layout.segment_bytes(c.tokens) for c in prefix.chunks) * (
+            end - layer_start
+        )
+
+    # ---- artifacts, delete, stats ---------------------------------------------------------
+
+    def _artifact_id(self, prefix: CachedPrefix, spec: str) -> pb.ArtifactId:
+        return pb.ArtifactId(
+            namespace=prefix.namespace,
+            layout=prefix.layout.to_proto(pb),
+            prefix_key=prefix.key,
+            prefix_tokens=prefix.tokens,
+            compressor=spec,
+        )
+
+    async def put_artifact(self, prefix: CachedPrefix, spec: str, data: bytes) -> int:
+        ident = self._artifact_id(prefix, spec)
+        step = self.config.message_bytes
+
+        def messages():
+            yield pb.PutArtifactRequest(id=ident)
+            for start in range(0, len(data), step):
+                yield pb.PutArtifactRequest(data=data[start : start + step])
+            yield pb.PutArtifactRequest(crc32c=google_crc32c.value(bytes(data)))
+
+        async def put(shard_id: str) -> int:
+            async def call(target: str) -> int:
+                stub = self._stub(self._address(target))
+                response = await stub.PutArtifact(
+                    messages(), metadata=self._metadata, timeout=self.config.stream_timeout_s
+                )
+                return response.stored_bytes
+
+            return await retrying_async(self.config, [shard_id], call)
+
+        owners = self.topology.owners(artifact_placement(prefix.key, spec))
+        results = await asyncio.gather(*(put(s) for s in owners), return_exceptions=True)
+        if all(isinstance(r, BaseException) for r in results):
+            raise results[0]
+        return sum(r for r in results if not isinstance(r, BaseException))
+
+    async def fetch_artifact(self, prefix: CachedPrefix, spec: str) -> bytes | None:
+        request = pb.FetchArtifactRequest(
+            id=self._artifact_id(prefix, spec), max_message_bytes=self.config.message_bytes
+        )
+        for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
+            stub = self._stub(self._address(shard_id))
+            try:
+                parts, crc = [], None
+                async for message in stub.FetchArtifact(
+                    request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+                ):
+                    parts.append(message.data)
+                    crc = message.crc32c or crc
+            except grpc.RpcError as error:
+                if error.code() in FAILOVER_FETCH:
+                    continue
+                raise rpc_error(error) from error
+            data = b"".join(parts)
+            if crc is not None and google_crc32c.value(data) == crc:
+                return data
+        return None
+
+    async def delete_prefix(self, tokens, layout: KVLayout, namespace: str = "") -> int:
+        request = pb.DeleteRequest(
+            namespace=namespace, layout=layout.to_proto(pb), token_ids=validate_tokens(tokens)
+        )
+        responses = await asyncio.gather(
+            *(self._unary([s], "Delete", request) for s in self.topology.shards)
+        )
+        return sum(r.bytes for r in responses)
+
+    async def stats(self) -> list[pb.StatsResponse]:
+        return list(
+            await asyncio.gather(
+                *(
+                    self._unary([s], "Stats", pb.StatsRequest())
+                    for s in sorted(self.topology.shards)
+                )
+            )
+        )
