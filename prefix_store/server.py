@@ -125,8 +125,10 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 for layer, chunk, data in value:
                     session.add(layer, chunk, data)
             elif part == "commit":
-                keys, stored = session.commit(list(pb.PutCommit.FromString(value).crc32c))
-                return pb.PutResponse(chunk_keys=keys, stored_bytes=stored)
+                done = session.commit(list(pb.PutCommit.FromString(value).crc32c))
+                return pb.PutResponse(
+                    chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
+                )
             else:
                 raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
         raise Aborted("put: the stream ended before its commit; nothing was stored")
@@ -233,7 +235,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
     @unary
     def Delete(self, request, context):
         _, space = self._caller(context, request.namespace)
-        chunks, artifacts, nbytes = self.shard.delete(space, layout_of(request), request.token_ids)
+        if request.chunk_keys:
+            chunks, artifacts, nbytes = self.shard.delete_keys(space, request.chunk_keys)
+        else:
+            chunks, artifacts, nbytes = self.shard.delete(
+                space, layout_of(request), request.token_ids
+            )
         return pb.DeleteResponse(chunks=chunks, artifacts=artifacts, bytes=nbytes)
 
     @unary

@@ -56,6 +56,15 @@ class ChunkRef:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Committed:
+    keys: list[int]
+    """Every key of the put (chunks that were already stored included)."""
+    new_bytes: int
+    new_keys: list[int]
+    """Keys this put stored: what undoing it must delete."""
+
+
 @dataclass
 class ShardStats:
     hits: int = 0
@@ -225,8 +234,8 @@ class Shard:
             self, namespace, layout, validate_tokens(token_ids), indices, owner, quota
         )
 
-    def commit(self, blobs: list[Blob], owner: str, quota: QuotaCheck) -> tuple[list[int], int]:
-        """Make complete, checked blobs visible, all or none. Returns (keys, new bytes)."""
+    def commit(self, blobs: list[Blob], owner: str, quota: QuotaCheck) -> Committed:
+        """Make complete, checked blobs visible, all or none."""
         with self._lock:
             new = [b for b in blobs if self._find(b.id) is None]
             new_bytes = sum(b.nbytes for b in new)
@@ -239,7 +248,7 @@ class Shard:
                 )
             for blob in new:
                 self._place(blob)
-        return [b.id[2] for b in blobs], new_bytes
+        return Committed([b.id[2] for b in blobs], new_bytes, [b.id[2] for b in new])
 
     # ---- fetch -------------------------------------------------------------------------
 
@@ -354,7 +363,7 @@ class Shard:
             old = self._find(blob.id)
             if old is not None:
                 self._drop(blob.id)
-            return self.commit([blob], owner, quota)[1]
+            return self.commit([blob], owner, quota).new_bytes
 
     def fetch_artifact(
         self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
@@ -391,6 +400,16 @@ class Shard:
                 artifacts += blob.kind == "artifact"
                 nbytes += blob.nbytes
         return chunks, artifacts, nbytes
+
+    def delete_keys(self, namespace: Namespace, keys: Sequence[int]):
+        """Drop exactly these chunks (undoing a put). Returns (chunks, 0, bytes)."""
+        chunks = nbytes = 0
+        with self._lock:
+            for key in set(keys):
+                blob = self._drop(chunk_id(namespace, key))
+                if blob is not None:
+                    chunks, nbytes = chunks + 1, nbytes + blob.nbytes
+        return chunks, 0, nbytes
 
     def usage(self) -> dict[str, int]:
         with self._lock:
@@ -468,7 +487,7 @@ class PutSession:
         self.segments[chunk][layer] = bytes(data)
         self.received += 1
 
-    def commit(self, crcs: Sequence[int]) -> tuple[list[int], int]:
+    def commit(self, crcs: Sequence[int]) -> Committed:
         expected = len(self.indices) * self.layout.num_layers
         if self.received != expected:
             raise InvalidArgument(

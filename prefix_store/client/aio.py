@@ -25,6 +25,7 @@ from prefix_store.client.plan import (
     group_by_owner,
     plan_chunks,
     put_messages,
+    settle,
     split,
 )
 from prefix_store.client.retry import retrying_async, rpc_error
@@ -36,6 +37,7 @@ from prefix_store.client.sync import (
     _same,
     artifact_placement,
     channel_options,
+    exhausted,
 )
 from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
@@ -181,21 +183,20 @@ class AsyncStoreClient:
                     )
                 )
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
-        stored, placed, failures = 0, {c.index: 0 for c in chunks}, []
-        for (_, part, _), result in zip(jobs, results, strict=True):
-            if isinstance(result, Unavailable):
-                failures.append(result)
-                continue
-            if isinstance(result, BaseException):
+        outcomes = []
+        for (shard_id, part, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, StoreError):
                 raise result
-            stored += result
-            for chunk in part:
-                placed[chunk.index] += 1
-        if any(n == 0 for n in placed.values()):
-            raise failures[0] if failures else Unavailable("publish: a chunk found no shard")
-        missing = sum(self.topology.replication - n for n in placed.values())
+            outcomes.append((shard_id, part, result))
+        settled = settle(chunks, outcomes, self.topology.replication)
+        if settled.error is not None:
+            for shard_id, keys in settled.done:
+                if keys:
+                    request = pb.DeleteRequest(namespace=namespace, chunk_keys=keys)
+                    await self._unary([shard_id], "Delete", request)
+            raise settled.error
         prefix = CachedPrefix(namespace, layout, len(ids), tuple(chunks))
-        return PublishResult(prefix, stored, max(0, missing))
+        return PublishResult(prefix, settled.stored_bytes, settled.missing_replicas)
 
     async def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
         async def call(target: str) -> int:
@@ -207,10 +208,9 @@ class AsyncStoreClient:
             messages = put_messages(
                 namespace, layout, ids, chunks, layers, self.config.message_bytes
             )
-            response = await put(
+            return await put(
                 iter(messages), metadata=self._metadata, timeout=self.config.stream_timeout_s
             )
-            return response.stored_bytes
 
         return await retrying_async(self.config, [shard_id], call)
 
@@ -230,11 +230,11 @@ class AsyncStoreClient:
         progress = asyncio.Event()
         tasks: set[asyncio.Task] = set()
 
-        def spread(chunks, layer_from: int, failed: frozenset) -> None:
+        def spread(chunks, layer_from: int, failed: frozenset, cause=None) -> None:
             try:
                 groups = group_by_owner(chunks, self.topology, failed)
             except NotFound as error:
-                assembly.fail(Unavailable(f"fetch: {error} (tried {sorted(failed)})"))
+                assembly.fail(exhausted(error, failed, cause))
                 progress.set()
                 return
             for shard_id, group in groups.items():
@@ -262,7 +262,8 @@ class AsyncStoreClient:
                 if error.code() not in FAILOVER_FETCH:
                     assembly.fail(rpc_error(error))
                 else:
-                    spread(chunks, assembly.first_missing_layer(chunks), failed | {shard_id})
+                    resume = assembly.first_missing_layer(chunks)
+                    spread(chunks, resume, failed | {shard_id}, error)
             except (StoreError, ValueError, RuntimeError) as error:
                 assembly.fail(error)
             progress.set()

@@ -304,3 +304,36 @@ class Assembly:
                 raise self.error
             if not ok:
                 raise Unavailable(f"fetch: layer {layer} did not arrive within {timeout:.0f} s")
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """The outcome of a publish's put streams."""
+
+    stored_bytes: int
+    done: list[tuple[str, list[int]]]
+    """(shard, keys it newly stored) of every stream that committed: what an undo deletes."""
+    missing_replicas: int
+    error: Exception | None
+    """Why the publish failed (then it must be undone), or None."""
+
+
+def settle(chunks, outcomes, replication: int) -> Settled:
+    """outcomes: (shard id, chunks of the stream, PutResponse or the StoreError it raised).
+    A failure other than an unavailable replica (quota, bad input), or a chunk left with no
+    copy, fails the whole publish."""
+    stored, placed, failures, done = 0, {c.index: 0 for c in chunks}, [], []
+    for shard_id, part, outcome in outcomes:
+        if isinstance(outcome, Exception):
+            failures.append(outcome)
+            continue
+        stored += outcome.stored_bytes
+        done.append((shard_id, list(outcome.new_keys)))
+        for chunk in part:
+            placed[chunk.index] += 1
+    fatal = [f for f in failures if not isinstance(f, Unavailable)]
+    error = None
+    if fatal or any(n == 0 for n in placed.values()):
+        error = (fatal or failures or [Unavailable("publish: a chunk found no shard")])[0]
+    missing = sum(max(0, replication - n) for n in placed.values())
+    return Settled(stored, done, missing, error)

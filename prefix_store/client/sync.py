@@ -31,6 +31,7 @@ from prefix_store.client.plan import (
     group_by_owner,
     plan_chunks,
     put_messages,
+    settle,
     split,
 )
 from prefix_store.client.retry import retrying, rpc_error
@@ -68,6 +69,15 @@ def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.enable_retries", 0),
     ]
+
+
+def exhausted(error: NotFound, failed: frozenset, cause: grpc.RpcError | None) -> StoreError:
+    """The error of a fetch that ran out of replicas: a miss (NOT_FOUND, or corrupt
+    everywhere) stays a miss; otherwise the shards were unavailable."""
+    detail = f"fetch: {error} (tried {', '.join(sorted(failed))})"
+    if cause is not None and cause.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
+        return NotFound(f"{detail}: {cause.details()}")
+    return Unavailable(detail)
 
 
 def artifact_placement(prefix_key: int, spec: str) -> int:
@@ -278,30 +288,41 @@ class StoreClient:
         return self._publish_result(jobs, chunks, namespace, layout)
 
     def _publish_result(self, jobs, chunks, namespace, layout) -> PublishResult:
-        stored, placed, failures = 0, {c.index: 0 for c in chunks}, []
+        outcomes = []
         for job, (shard_id, part) in jobs.items():
             try:
-                stored += job.result()
-            except Unavailable as error:
-                failures.append(error)
-                log.warning("publish: shard %s unavailable: %s", shard_id, error)
-                continue
-            for chunk in part:
-                placed[chunk.index] += 1
-        if any(n == 0 for n in placed.values()):
-            raise failures[0] if failures else Unavailable("publish: a chunk found no shard")
-        missing = sum(self.topology.replication - n for n in placed.values())
+                outcomes.append((shard_id, part, job.result()))
+            except StoreError as error:
+                log.warning("publish: shard %s failed: %s", shard_id, error)
+                outcomes.append((shard_id, part, error))
+        settled = settle(chunks, outcomes, self.topology.replication)
+        if settled.error is not None:
+            self._undo(namespace, settled.done)
+            raise settled.error
         prefix = CachedPrefix(namespace, layout, sum(c.tokens for c in chunks), tuple(chunks))
-        return PublishResult(prefix, stored, max(0, missing))
+        return PublishResult(prefix, settled.stored_bytes, settled.missing_replicas)
 
-    def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
-        def call(target: str) -> int:
+    def _undo(self, namespace: str, done: list[tuple[str, list[int]]]) -> None:
+        """Delete the chunks a failed publish stored (best effort: they are valid data)."""
+        for shard_id, keys in done:
+            if not keys:
+                continue
+            try:
+                self._unary(
+                    [shard_id], "Delete", pb.DeleteRequest(namespace=namespace, chunk_keys=keys)
+                )
+            except StoreError as error:
+                log.warning(
+                    "publish: could not undo %d chunks on %s: %s", len(keys), shard_id, error
+                )
+
+    def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> pb.PutResponse:
+        def call(target: str) -> pb.PutResponse:
             put = self._bulk_put(self._address(target), lane)
             messages = put_messages(
                 namespace, layout, ids, chunks, layers, self.config.message_bytes
             )
-            response = put(messages, metadata=self._metadata, timeout=self.config.stream_timeout_s)
-            return response.stored_bytes
+            return put(messages, metadata=self._metadata, timeout=self.config.stream_timeout_s)
 
         return retrying(self.config, [shard_id], call)
 
@@ -346,12 +367,15 @@ class StoreClient:
         finally:
             handle.cancel()
 
-    def _spread(self, handle: FetchHandle, chunks, layer_from: int, failed: frozenset) -> None:
-        """Start streams for `chunks` from `layer_from` on their best owners not in `failed`."""
+    def _spread(
+        self, handle: FetchHandle, chunks, layer_from: int, failed: frozenset, cause=None
+    ) -> None:
+        """Start streams for `chunks` from `layer_from` on their best owners not in `failed`;
+        when none is left, fail with what the last owner said."""
         try:
             groups = group_by_owner(chunks, self.topology, failed)
         except NotFound as error:
-            handle.assembly.fail(Unavailable(f"fetch: {error} (tried {sorted(failed)})"))
+            handle.assembly.fail(exhausted(error, failed, cause))
             return
         for shard_id, group in groups.items():
             for lane, part in enumerate(split(group, self.config.streams_per_shard)):
@@ -379,7 +403,7 @@ class StoreClient:
                 "fetch: shard %s failed (%s); continuing from a replica", shard_id, error.code()
             )
             resume = assembly.first_missing_layer(chunks)
-            self._spread(handle, chunks, resume, failed | {shard_id})
+            self._spread(handle, chunks, resume, failed | {shard_id}, error)
         except (StoreError, ValueError, RuntimeError) as error:
             assembly.fail(error)
 

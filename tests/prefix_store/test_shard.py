@@ -33,7 +33,8 @@ def put(shard, tokens, seed=0, indices=None, space=SPACE, quota=no_quota):
             session.add(layer, j, data)
             sent[(index, layer)] = data
     crcs = [combined_crc(sent[(i, lyr)] for lyr in range(LAYOUT.num_layers)) for i in indices]
-    return session.commit(crcs), sent
+    done = session.commit(crcs)
+    return (done.keys, done.new_bytes), sent
 
 
 def fetch_all(shard, result_keys, tokens_per_chunk, space=SPACE):

@@ -137,12 +137,14 @@ class PutCommit(_message.Message):
     def __init__(self, crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("chunk_keys", "stored_bytes")
+    __slots__ = ("chunk_keys", "stored_bytes", "new_keys")
     CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEW_KEYS_FIELD_NUMBER: _ClassVar[int]
     chunk_keys: _containers.RepeatedScalarFieldContainer[int]
     stored_bytes: int
-    def __init__(self, chunk_keys: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+    new_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_keys: _Optional[_Iterable[int]] = ..., stored_bytes: _Optional[int] = ..., new_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("namespace", "layout", "chunks", "layer_start", "layer_end", "max_message_bytes")
@@ -209,14 +211,16 @@ class FetchArtifactResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "token_ids")
+    __slots__ = ("namespace", "layout", "token_ids", "chunk_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KVLayout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    chunk_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., chunk_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("chunks", "artifacts", "bytes")

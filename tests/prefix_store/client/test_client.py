@@ -1,0 +1,145 @@
+"""The client SDKs against real shards: placement and replication over several shards,
+layer streaming, failover to a replica mid-stream, and the asyncio client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from prefix_store.client import AsyncStoreClient, rendezvous
+from prefix_store.config import ClientConfig
+from prefix_store.errors import InvalidArgument, NotFound
+from prefix_store.layout import KVLayout
+from tests.prefix_store.conftest import LAYOUT, random_kv
+
+BIG = KVLayout(
+    "test-model@1", "float32", num_layers=8, num_kv_heads=4, head_dim=64, chunk_tokens=256
+)  # 2 MiB per chunk, 8 MiB per layer at 4096 tokens
+
+
+def empty(layout, tokens, layers=None):
+    shape = (layers or layout.num_layers, layout.num_kv_heads, tokens, layout.head_dim)
+    return torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_shard():
+    shards = [f"shard-{i}" for i in range(4)]
+    keys = range(0, 2**64, 2**64 // 500)
+    before = {k: rendezvous(k, shards, 2) for k in keys}
+    after = {k: rendezvous(k, shards[:3], 2) for k in keys}
+    for k in keys:
+        if "shard-3" not in before[k]:
+            assert after[k] == before[k]
+        else:
+            assert before[k][0] in after[k] or before[k][1] in after[k]
+    primaries = [before[k][0] for k in keys]
+    assert all(primaries.count(s) > 60 for s in shards)  # spread over all shards
+
+
+def test_chunks_spread_over_shards_with_two_replicas_and_fetch_bitwise(store, metadata):
+    for i in range(3):
+        store.start(f"shard-{i}")
+    token = metadata.add_tenant("alice")
+    tokens = list(range(1000, 1000 + 16 * 12 + 5))
+    kv = random_kv(LAYOUT, len(tokens), seed=3)
+    with store.client(token) as client:
+        assert client.topology.replication == 2
+        result = client.publish_prefix(tokens, kv, LAYOUT)
+        assert result.missing_replicas == 0
+        assert result.stored_bytes == 2 * LAYOUT.chunk_bytes(len(tokens))
+        per_shard = [s.chunks for s in client.stats()]
+        assert sum(per_shard) == 2 * 13 and min(per_shard) > 0
+        prefix = client.lookup(tokens, LAYOUT)
+        assert prefix.tokens == len(tokens)
+        k, v = empty(LAYOUT, prefix.tokens, layers=2)
+        client.fetch_layers(prefix, k, v, layer_start=1, layer_end=3)
+        assert torch.equal(k, kv[1:3, 0]) and torch.equal(v, kv[1:3, 1])
+
+
+def test_iter_layers_yields_layers_in_order_as_they_complete(store, metadata):
+    store.start()
+    token = metadata.add_tenant("alice")
+    tokens = list(range(300))
+    kv = random_kv(LAYOUT, 300, seed=4)
+    with store.client(token, message_bytes=64 * 1024) as client:
+        prefix = client.publish_prefix(tokens, kv, LAYOUT).prefix
+        k, v = empty(LAYOUT, 300)
+        seen = []
+        for layer in client.iter_layers(prefix, k, v):
+            assert torch.equal(k[layer], kv[layer, 0])  # complete when yielded
+            seen.append(layer)
+        assert seen == list(range(LAYOUT.num_layers))
+
+
+def test_a_shard_lost_mid_fetch_is_replaced_by_a_replica_bitwise(store, metadata):
+    store.start("shard-0")
+    store.start("shard-1")
+    token = metadata.add_tenant("alice")
+    tokens = list(range(4096))
+    kv = random_kv(BIG, 4096, seed=5)
+    config = dict(message_bytes=256 * 1024, window_bytes=1 << 20, streams_per_shard=1)
+    with store.client(token, **config) as client:
+        prefix = client.publish_prefix(tokens, kv, BIG).prefix
+        k, v = empty(BIG, 4096)
+        layers = client.iter_layers(prefix, k, v)
+        assert next(layers) == 0
+        threading.Thread(target=store.stop, args=("shard-0", 0)).start()  # crash: no grace
+        assert list(layers) == list(range(1, BIG.num_layers))
+        assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+        served = store.servers["shard-1"].shard.stats.fetched_bytes
+        assert served > BIG.chunk_bytes(4096) // 2  # the survivor served its share and more
+
+
+def test_with_no_replica_left_a_fetch_fails_clearly(store, metadata):
+    store.start("shard-0")
+    token = metadata.add_tenant("alice")
+    with store.client(token) as client:
+        prefix = client.publish_prefix(list(range(40)), random_kv(LAYOUT, 40), LAYOUT).prefix
+        store.stop("shard-0", 0)
+        k, v = empty(LAYOUT, 40)
+        with pytest.raises(Exception, match="unavailable|no live shard|tried"):
+            client.fetch_layers(prefix, k, v)
+
+
+def test_bad_outputs_and_inputs_are_invalid_arguments(store, metadata):
+    store.start()
+    token = metadata.add_tenant("alice")
+    with store.client(token) as client:
+        prefix = client.publish_prefix(list(range(40)), random_kv(LAYOUT, 40), LAYOUT).prefix
+        with pytest.raises(InvalidArgument, match="k_out"):
+            client.fetch_layers(prefix, torch.empty(4, 2, 10, 8), torch.empty(4, 2, 10, 8))
+        with pytest.raises(InvalidArgument, match="kv"):
+            client.publish_prefix(list(range(40)), random_kv(LAYOUT, 30), LAYOUT)
+        with pytest.raises(InvalidArgument, match="dtype"):
+            client.publish_prefix(list(range(40)), random_kv(LAYOUT, 40).half(), LAYOUT)
+        with pytest.raises(InvalidArgument, match="token ids"):
+            client.lookup([-1, 5], LAYOUT)
+        with pytest.raises(NotFound, match="namespace 'nope'"):
+            client.lookup([1, 2], LAYOUT, namespace="nope")
+
+
+def test_async_client_publishes_looks_up_and_streams(store, metadata):
+    store.start("shard-0")
+    store.start("shard-1")
+    token = metadata.add_tenant("alice")
+    tokens = list(range(2000, 2000 + 16 * 5 + 3))
+    kv = random_kv(LAYOUT, len(tokens), seed=6)
+
+    async def scenario():
+        config = ClientConfig(timeout_s=10, stream_timeout_s=30, message_bytes=64 * 1024)
+        async with await AsyncStoreClient.connect(store.endpoints, token, config) as client:
+            published = await client.publish_prefix(tokens, kv, LAYOUT)
+            prefix = await client.lookup(tokens + [7], LAYOUT)
+            assert prefix.tokens == len(tokens) and prefix.key == published.prefix.key
+            k, v = empty(LAYOUT, prefix.tokens)
+            order = [layer async for layer in client.iter_layers(prefix, k, v)]
+            assert order == list(range(LAYOUT.num_layers))
+            assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+            await client.put_artifact(prefix, "kivi:bits=4", b"q" * 1000)
+            assert await client.fetch_artifact(prefix, "kivi:bits=4") == b"q" * 1000
+            assert len(await client.stats()) == 2
+
+    asyncio.run(scenario())
