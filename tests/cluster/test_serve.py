@@ -1,0 +1,103 @@
+"""The store deployed as Ray actors (a real local Ray): shards crash mid-fetch and the
+client continues from a replica; a restarted shard finds its disk tier; the operator
+commands (tenant, namespace, status) against the deployment's Redis."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cluster.cli import main
+from cluster.serve import Deployment, ServeConfig
+from prefix_store.client import StoreClient
+from prefix_store.config import ClientConfig, MiB
+from prefix_store.layout import KVLayout
+
+LAYOUT = KVLayout("test-model@1", "float32", num_layers=8, num_kv_heads=4, head_dim=64)
+TOKENS = list(range(7, 7 + 4096 + 100))
+
+
+@pytest.fixture(scope="module")
+def deployment(redis_server, tmp_path_factory):
+    home = tmp_path_factory.mktemp("vericache-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VERICACHE_HOME", str(home))
+    config = ServeConfig(
+        shards=2,
+        redis_url=redis_server.url,
+        memory_bytes=256 * MiB,
+        disk_bytes=512 * MiB,
+        state_dir=home / "state",
+    )
+    with Deployment(config) as deployed:
+        yield deployed
+    mp.undo()
+
+
+def tenant(name: str, redis_url: str, capsys) -> str:
+    capsys.readouterr()
+    assert main(["tenant", "add", name, "--redis-url", redis_url]) == 0
+    return capsys.readouterr().out.strip()
+
+
+def client(deployment, token):
+    config = ClientConfig(message_bytes=256 * 1024, window_bytes=MiB, streams_per_shard=1)
+    return StoreClient(list(deployment.endpoints.values()), token, config)
+
+
+def test_shards_are_ray_actors_serving_and_registered(deployment):
+    stats = deployment.stats()
+    assert sorted(s["shard_id"] for s in stats) == ["shard-0", "shard-1"]
+    assert all(s["memory_capacity"] == 256 * MiB for s in stats)
+
+
+def test_a_shard_killed_mid_fetch_fails_over_to_its_replica(deployment, capsys):
+    token = tenant("crash-test", deployment.redis_url, capsys)
+    kv = torch.randn(8, 2, 4, len(TOKENS), 64)
+    with client(deployment, token) as c:
+        prefix = c.publish_prefix(TOKENS, kv, LAYOUT).prefix
+        k = torch.empty(8, 4, prefix.tokens, 64)
+        v = torch.empty_like(k)
+        layers = c.iter_layers(prefix, k, v)
+        assert next(layers) == 0
+        threading.Thread(target=deployment.kill_shard, args=(1,)).start()  # SIGKILL-like
+        assert list(layers) == list(range(1, 8))
+    assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+    deployment.start_shard(1)  # rejoins (its memory tier died with it)
+
+
+def test_a_restarted_shard_serves_its_disk_tier(deployment, capsys):
+    token = tenant("restart-test", deployment.redis_url, capsys)
+    kv = torch.randn(8, 2, 4, len(TOKENS), 64)
+    with client(deployment, token) as c:
+        c.publish_prefix(TOKENS, kv, LAYOUT)
+    deployment.stop_shard(1)  # graceful: the memory tier is written to disk
+    deployment.stop_shard(0)
+    deployment.start_shard(0)  # only shard-0, fresh process: everything from its disk
+    with client(deployment, token) as c:
+        assert set(c.topology.shards) == {"shard-0"}
+        prefix = c.lookup(TOKENS + [1, 2], LAYOUT)
+        assert prefix.tokens == len(TOKENS)
+        k = torch.empty(8, 4, prefix.tokens, 64)
+        v = torch.empty_like(k)
+        c.fetch_layers(prefix, k, v)
+    assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+    deployment.start_shard(1)
+
+
+def test_operator_commands(deployment, capsys):
+    url = deployment.redis_url
+    tenant("ops-a", url, capsys)
+    tenant("ops-b", url, capsys)
+    assert main(["tenant", "add", "ops-a", "--redis-url", url]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["tenant", "add", "Bad Name", "--redis-url", url]) == 2
+    assert main(["namespace", "add", "docs", "--member", "ops-a", "--redis-url", url]) == 0
+    assert main(["namespace", "add", "docs", "--member", "ghost", "--redis-url", url]) == 2
+    capsys.readouterr()
+    assert main(["status", "--redis-url", url]) == 0
+    out = capsys.readouterr().out
+    assert "shard-0" in out and "shard-1" in out and "ops-a" in out and "docs" in out
+    assert main(["status"]) == 0  # finds the deployment through its state file

@@ -1,0 +1,58 @@
+"""`vericache serve` as a user runs it: embedded Redis and Ray, endpoints printed, Ctrl-C
+shuts everything down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from cluster.cli import main
+from prefix_store.client import StoreClient
+
+
+def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path))
+    command = [
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "serve",
+        "--shards",
+        "1",
+        "--memory-bytes",
+        "64MiB",
+        "--disk-bytes",
+        "0",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, VERICACHE_HOME=str(tmp_path)),
+    )
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            assert line, f"serve exited early: {''.join(lines)}"
+            lines.append(line)
+            if "Ctrl-C" in line:
+                break
+        endpoint = next(l.split()[1] for l in lines if l.strip().startswith("endpoint"))
+        assert (tmp_path / "cluster.json").exists()
+        capsys.readouterr()
+        assert main(["tenant", "add", "alice"]) == 0
+        token = capsys.readouterr().out.strip()
+        with StoreClient(endpoint, token) as client:
+            assert client.topology.tenant == "alice" and len(client.topology.shards) == 1
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+        assert "shutting down" in process.stdout.read()
+        assert not (tmp_path / "cluster.json").exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
