@@ -49,8 +49,9 @@ def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mod
         tokens = [[100 + row] for row in range(batch)]
         start = time.perf_counter()
         for _ in range(steps):
-            logits = runner.forward([SeqInput.extend(c, t) for c, t in zip(caches, tokens,
-                                                                            strict=True)], mode)
+            logits = runner.forward(
+                [SeqInput.extend(c, t) for c, t in zip(caches, tokens, strict=True)], mode
+            )
             tokens = [[int(lg[-1].argmax())] for lg in logits]
         samples.append((time.perf_counter() - start) / steps)
     return statistics.median(samples)
@@ -68,9 +69,15 @@ def time_transformers(hf, prompt: list[int], batch: int, steps: int, repeats: in
     for _ in range(repeats):
         cache.crop(len(prompt) - cache.get_seq_length())  # roll back to the prompt
         start = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                    max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                    pad_token_id=0)
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+        )
         samples.append((time.perf_counter() - start) / steps)
     return statistics.median(samples)
 
@@ -103,33 +110,45 @@ def main() -> None:
                 "fast": time_ours(runner, prefix, batch, args.steps, args.repeats, "fast"),
                 "transformers": time_transformers(hf, prompt, batch, args.steps, args.repeats),
             }
-            row = {"context": context, "batch": batch,
-                   **{f"{k}_ms_per_step": round(v * 1e3, 2) for k, v in step.items()},
-                   **{f"{k}_ms_per_token": round(v * 1e3 / batch, 2) for k, v in step.items()},
-                   "exact_vs_transformers": round(step["transformers"] / step["exact"], 3),
-                   "fast_vs_transformers": round(step["transformers"] / step["fast"], 3)}
+            row = {
+                "context": context,
+                "batch": batch,
+                **{f"{k}_ms_per_step": round(v * 1e3, 2) for k, v in step.items()},
+                **{f"{k}_ms_per_token": round(v * 1e3 / batch, 2) for k, v in step.items()},
+                "exact_vs_transformers": round(step["transformers"] / step["exact"], 3),
+                "fast_vs_transformers": round(step["transformers"] / step["fast"], 3),
+            }
             rows.append(row)
             print(_format_row(row), flush=True)
         del prefix
 
     print("\n" + _table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": model.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(), "steps": args.steps,
-            "repeats": args.repeats}
+    meta = {
+        "model": model.name,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "steps": args.steps,
+        "repeats": args.repeats,
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {args.out}")
 
 
 def _format_row(row: dict) -> str:
-    return (f"ctx {row['context']:>5} batch {row['batch']}: exact {row['exact_ms_per_step']} ms, "
-            f"fast {row['fast_ms_per_step']} ms, transformers "
-            f"{row['transformers_ms_per_step']} ms per step")
+    return (
+        f"ctx {row['context']:>5} batch {row['batch']}: exact {row['exact_ms_per_step']} ms, "
+        f"fast {row['fast_ms_per_step']} ms, transformers "
+        f"{row['transformers_ms_per_step']} ms per step"
+    )
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| context | batch | exact ms/tok | fast ms/tok | transformers ms/tok "
-            "| exact speed vs transformers | fast speed vs transformers |")
+    head = (
+        "| context | batch | exact ms/tok | fast ms/tok | transformers ms/tok "
+        "| exact speed vs transformers | fast speed vs transformers |"
+    )
     lines = [head, "|" + "---|" * 7]
     for r in rows:
         lines.append(

@@ -65,12 +65,13 @@ def workload(tokens: list[int], context: int, batch: int):
     suffixes = []
     for i in range(batch):
         start = context + 256 + i * 997  # distinct windows after the prefix
-        suffixes.append(tokens[start:start + SUFFIX])
+        suffixes.append(tokens[start : start + SUFFIX])
     return prefix, suffixes
 
 
-def run_mode(runner, model, prefix, suffixes, config: EngineConfig, max_new: int,
-             repeats: int) -> dict:
+def run_mode(
+    runner, model, prefix, suffixes, config: EngineConfig, max_new: int, repeats: int
+) -> dict:
     samples, outputs, stats = [], None, None
     for _ in range(repeats):
         engine = Engine(runner, config, model.eos_token_ids)
@@ -87,14 +88,15 @@ def run_mode(runner, model, prefix, suffixes, config: EngineConfig, max_new: int
             for key in ("verifications", "drafted", "accepted"):
                 stats[key] = sum(r.stats[key] for r in results)
             stats["accepted_per_verification"] = round(
-                stats["accepted"] / max(1, stats["verifications"]), 3)
+                stats["accepted"] / max(1, stats["verifications"]), 3
+            )
         generated = sum(len(t) for t in tokens)
-        step_s = (stats["draft_s"] if config.mode == "vericache" else stats["decode_s"])
-        samples.append({"tok_s": generated / elapsed,
-                        "step_s": step_s / max(1, stats["batch_steps"])})
+        step_s = stats["draft_s"] if config.mode == "vericache" else stats["decode_s"]
+        samples.append(
+            {"tok_s": generated / elapsed, "step_s": step_s / max(1, stats["batch_steps"])}
+        )
     agg = {k: statistics.median(s[k] for s in samples) for k in ("tok_s", "step_s")}
-    return {"tokens": outputs, "stats": stats, **agg,
-            "samples": samples}
+    return {"tokens": outputs, "stats": stats, **agg, "samples": samples}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -107,23 +109,43 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s) -> list[dict]:
     _, suffixes = workload(tokens, context, batch)
     print(f"\n== context {context}, batch {batch} (prefix prefill {prefill_s:.1f}s)", flush=True)
-    full = run_mode(runner, model, prefix, suffixes, EngineConfig(mode="full"),
-                    args.max_new_tokens, args.repeats)
+    full = run_mode(
+        runner,
+        model,
+        prefix,
+        suffixes,
+        EngineConfig(mode="full"),
+        args.max_new_tokens,
+        args.repeats,
+    )
     rows = [_row(context, batch, "full", "-", full, full, None, prefill_s)]
     _print(rows[-1])
     for spec in args.compressors:
-        lossy = run_mode(runner, model, prefix, suffixes,
-                         EngineConfig(mode="lossy", compressor=spec), args.max_new_tokens,
-                         args.repeats)
+        lossy = run_mode(
+            runner,
+            model,
+            prefix,
+            suffixes,
+            EngineConfig(mode="lossy", compressor=spec),
+            args.max_new_tokens,
+            args.repeats,
+        )
         rows.append(_row(context, batch, "lossy", spec, lossy, full, None, prefill_s))
         _print(rows[-1])
         horizons = [None] + ([32] if spec == "snapkv:budget=0.125" else [])
         for horizon in horizons:
-            vc = run_mode(runner, model, prefix, suffixes,
-                          EngineConfig(mode="vericache", compressor=spec, horizon=horizon),
-                          args.max_new_tokens, args.repeats)
-            rows.append(_row(context, batch, "vericache", spec, vc, full, lossy, prefill_s,
-                             horizon))
+            vc = run_mode(
+                runner,
+                model,
+                prefix,
+                suffixes,
+                EngineConfig(mode="vericache", compressor=spec, horizon=horizon),
+                args.max_new_tokens,
+                args.repeats,
+            )
+            rows.append(
+                _row(context, batch, "vericache", spec, vc, full, lossy, prefill_s, horizon)
+            )
             _print(rows[-1])
     return rows
 
@@ -132,15 +154,27 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
     stats = res["stats"]
     identical = res["tokens"] == full["tokens"]
     row = {
-        "context": context, "batch": batch, "mode": mode, "compressor": spec,
+        "context": context,
+        "batch": batch,
+        "mode": mode,
+        "compressor": spec,
         "horizon": "-" if mode != "vericache" else ("auto" if horizon is None else horizon),
         "compression_ratio": stats.get("compression_ratio", 1.0),
         "tok_s": round(res["tok_s"], 3),
         "vs_full": round(res["tok_s"] / full["tok_s"], 3),
         "identical": identical,
-        "first_divergence": (None if identical else min(
-            d for d in (first_divergence(a, b) for a, b in zip(res["tokens"], full["tokens"],
-                                                               strict=True)) if d is not None)),
+        "first_divergence": (
+            None
+            if identical
+            else min(
+                d
+                for d in (
+                    first_divergence(a, b)
+                    for a, b in zip(res["tokens"], full["tokens"], strict=True)
+                )
+                if d is not None
+            )
+        ),
         "step_ms": round(1000 * res["step_s"], 2),  # vericache: mean draft step
         "prefix_prefill_s": round(prefill_s, 2),
         "compressed_bytes": stats.get("compressed_bytes"),
@@ -153,7 +187,9 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
         v = stats["verifications"]
         row.update(
             accepted_per_verification=stats["accepted_per_verification"],
-            verifications=v, drafted=stats["drafted"], accepted=stats["accepted"],
+            verifications=v,
+            drafted=stats["drafted"],
+            accepted=stats["accepted"],
             draft_step_speedup=round(full["step_s"] / lossy["step_s"], 3),
         )
         accept_fraction = stats["accepted"] / max(1, stats["drafted"])
@@ -162,12 +198,21 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
     return row
 
 
-COLUMNS = [("context", "ctx"), ("batch", "batch"), ("mode", "mode"),
-           ("compressor", "compressor"), ("horizon", "horizon"),
-           ("compression_ratio", "ratio"), ("accepted_per_verification", "acc/verif"),
-           ("draft_step_speedup", "draft-step speedup"), ("bound", "bound"),
-           ("tok_s", "tok/s"), ("vs_full", "vs full"), ("identical", "identical"),
-           ("first_divergence", "diverges at")]
+COLUMNS = [
+    ("context", "ctx"),
+    ("batch", "batch"),
+    ("mode", "mode"),
+    ("compressor", "compressor"),
+    ("horizon", "horizon"),
+    ("compression_ratio", "ratio"),
+    ("accepted_per_verification", "acc/verif"),
+    ("draft_step_speedup", "draft-step speedup"),
+    ("bound", "bound"),
+    ("tok_s", "tok/s"),
+    ("vs_full", "vs full"),
+    ("identical", "identical"),
+    ("first_divergence", "diverges at"),
+]
 
 
 def _print(row: dict) -> None:
@@ -175,8 +220,7 @@ def _print(row: dict) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(t for _, t in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
+    lines = ["| " + " | ".join(t for _, t in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = []
         for key, _ in COLUMNS:
@@ -210,8 +254,7 @@ def main() -> None:
         prefix = prefill_prefix(runner, workload(tokens, context, 1)[0], observe=128)
         prefill_s = time.perf_counter() - t0
         for batch in args.batches:
-            rows.extend(bench_case(runner, model, tokens, context, batch, args, prefix,
-                                   prefill_s))
+            rows.extend(bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s))
             _write(args, rows)
         del prefix
     print("\n" + markdown(rows))
@@ -220,10 +263,15 @@ def main() -> None:
 
 def _write(args, rows) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": "SmolLM2-135M-Instruct (built-in)", "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "machine": platform.machine(),
-            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-            "suffix_tokens": SUFFIX}
+    meta = {
+        "model": "SmolLM2-135M-Instruct (built-in)",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "suffix_tokens": SUFFIX,
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

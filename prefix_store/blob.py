@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import google_crc32c
+import crc32c as _crc32c
 
 from prefix_store.layout import KVLayout
 
@@ -13,9 +13,9 @@ from prefix_store.layout import KVLayout
 BlobId = tuple
 
 
-def crc32c(data) -> int:
-    """CRC-32C (hardware accelerated); the C extension takes only immutable bytes."""
-    return google_crc32c.value(data if isinstance(data, bytes) else bytes(data))
+def crc32c(data, value: int = 0) -> int:
+    """CRC-32C (hardware accelerated) of any buffer, continuing from `value`."""
+    return _crc32c.crc32c(data, value=value)
 
 
 @dataclass(slots=True)
@@ -31,8 +31,9 @@ class Blob:
     """A chunk's tokens (confirms hits); an artifact's prefix length as a 1-tuple."""
     segment_bytes: int
     crcs: tuple[int, ...]
-    data: tuple[bytes, ...] | None = None
-    """The segments (immutable bytes each); None while the blob lives only on disk."""
+    data: tuple[bytes | memoryview, ...] | None = None
+    """The segments, immutable (bytes, or read-only views of received messages, which they
+    keep alive); None while the blob lives only on disk."""
     meta: dict = field(default_factory=dict)
 
     @property
@@ -47,7 +48,7 @@ class Blob:
     def nbytes(self) -> int:
         return self.segment_bytes * len(self.crcs)
 
-    def segment(self, index: int) -> bytes:
+    def segment(self, index: int) -> bytes | memoryview:
         assert self.data is not None
         return self.data[index]
 
@@ -68,5 +69,5 @@ def combined_crc(segments) -> int:
     """CRC-32C of the segments back to back."""
     crc = 0
     for segment in segments:
-        crc = google_crc32c.extend(crc, segment)
+        crc = crc32c(segment, crc)
     return crc

@@ -471,7 +471,8 @@ class PutSession:
             raise InvalidArgument(f"header.chunk_indices: must be in [0, {n_chunks})")
 
     def add(self, layer: int, chunk: int, data) -> None:
-        """Stage one segment (copied: `data` may be a view of a message buffer)."""
+        """Stage one segment: `data` (a read-only view of a received message) is kept as it is,
+        so the payload is not copied again."""
         if not 0 <= chunk < len(self.indices):
             raise InvalidArgument(f"segment.chunk: {chunk} is not in [0, {len(self.indices)})")
         if not 0 <= layer < self.layout.num_layers:
@@ -484,7 +485,7 @@ class PutSession:
             )
         if self.segments[chunk][layer] is not None:
             raise InvalidArgument(f"segment: layer {layer} of chunk {chunk} sent twice")
-        self.segments[chunk][layer] = bytes(data)
+        self.segments[chunk][layer] = data if isinstance(data, bytes | memoryview) else bytes(data)
         self.received += 1
 
     def commit(self, crcs: Sequence[int]) -> Committed:

@@ -53,7 +53,7 @@ def encode_segments(segments: Sequence[tuple[int, int, Sequence]]) -> list:
     (layer, chunk, buffers) one Segment whose data is the buffers back to back."""
     parts: list = []
     for layer, chunk, buffers in segments:
-        size = sum(len(b) for b in buffers)
+        size = sum(memoryview(b).nbytes for b in buffers)
         head = bytes([SEGMENT_LAYER]) + varint(layer) + bytes([SEGMENT_CHUNK]) + varint(chunk)
         head += bytes([SEGMENT_DATA]) + varint(size)
         parts.append(bytes([REPEATED_SEGMENT]) + varint(len(head) + size) + head)
@@ -69,7 +69,7 @@ def fetch_response(segments: Sequence[tuple[int, int, Sequence]]) -> bytes:
 def put_segments(segments: Sequence[tuple[int, int, Sequence]]) -> bytes:
     """A serialised PutRequest carrying a SegmentBatch."""
     parts = encode_segments(segments)
-    size = sum(len(p) for p in parts)
+    size = sum(memoryview(p).nbytes for p in parts)
     return b"".join([bytes([PUT_SEGMENTS]), varint(size), *parts])
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-import google_crc32c
 import grpc
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
+from prefix_store.blob import crc32c
 from prefix_store.client.plan import (
     Assembly,
     CachedPrefix,
@@ -311,7 +311,7 @@ class AsyncStoreClient:
             yield pb.PutArtifactRequest(id=ident)
             for start in range(0, len(data), step):
                 yield pb.PutArtifactRequest(data=data[start : start + step])
-            yield pb.PutArtifactRequest(crc32c=google_crc32c.value(bytes(data)))
+            yield pb.PutArtifactRequest(crc32c=crc32c(data))
 
         async def put(shard_id: str) -> int:
             async def call(target: str) -> int:
@@ -347,7 +347,7 @@ class AsyncStoreClient:
                     continue
                 raise rpc_error(error) from error
             data = b"".join(parts)
-            if crc is not None and google_crc32c.value(data) == crc:
+            if crc is not None and crc32c(data) == crc:
                 return data
         return None
 

@@ -9,11 +9,11 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import google_crc32c
 import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import wire
+from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument, NotFound, Unavailable
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
@@ -154,16 +154,15 @@ def as_layers(kv, layout: KVLayout, tokens: int) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def segment_bytes(k: torch.Tensor, v: torch.Tensor, chunk: ChunkPlan) -> bytes:
-    """One layer of one chunk on the wire: K then V, [kv_heads, tokens, head_dim] each,
-    gathered from the per-head rows of contiguous k and v in one copy."""
+def segment_views(k: torch.Tensor, v: torch.Tensor, chunk: ChunkPlan) -> list[memoryview]:
+    """One layer of one chunk on the wire is K then V, [kv_heads, tokens, head_dim] each:
+    the per-head row blocks of contiguous k and v, as views (copied once, into the message)."""
     end = chunk.start + chunk.tokens
-    views = [
+    return [
         memoryview(t[h, chunk.start : end].view(torch.uint8).numpy())
         for t in (k, v)
         for h in range(t.shape[0])
     ]
-    return b"".join(views)
 
 
 def put_messages(
@@ -188,10 +187,11 @@ def put_messages(
     batch, size = [], 0
     for layer, (k, v) in enumerate(layers):
         for j, chunk in enumerate(chunks):
-            data = segment_bytes(k, v, chunk)
-            crcs[j] = google_crc32c.extend(crcs[j], data)
-            batch.append((layer, j, (data,)))
-            size += len(data)
+            views = segment_views(k, v, chunk)
+            for view in views:
+                crcs[j] = crc32c(view, crcs[j])
+            batch.append((layer, j, views))
+            size += sum(view.nbytes for view in views)
             if size >= message_bytes:
                 yield wire.put_segments(batch)
                 batch, size = [], 0

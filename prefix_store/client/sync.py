@@ -16,11 +16,11 @@ from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
-import google_crc32c
 import grpc
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
+from prefix_store.blob import crc32c
 from prefix_store.client.plan import (
     Assembly,
     CachedPrefix,
@@ -428,7 +428,7 @@ class StoreClient:
             yield pb.PutArtifactRequest(id=ident)
             for start in range(0, len(data), step):
                 yield pb.PutArtifactRequest(data=data[start : start + step])
-            yield pb.PutArtifactRequest(crc32c=google_crc32c.value(bytes(data)))
+            yield pb.PutArtifactRequest(crc32c=crc32c(data))
 
         def put(shard_id: str) -> int:
             def call(target: str) -> int:
@@ -473,7 +473,7 @@ class StoreClient:
                 if message.crc32c:
                     crc = message.crc32c
             data = b"".join(parts)
-            if crc is None or google_crc32c.value(data) != crc:
+            if crc is None or crc32c(data) != crc:
                 raise Unavailable("fetch_artifact: the artifact arrived corrupted")
             return data
 
