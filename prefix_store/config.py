@@ -27,6 +27,8 @@ class ShardConfig:
     """Host clients should dial, when it differs from `host` (e.g. the node IP)."""
     port: int = 0
     """0 picks a free port."""
+    data_port: int | None = 0
+    """Port of the bulk data plane (0 = a free one, None = no data plane: gRPC only)."""
     message_bytes: int = 4 * MiB
     """Target size of one Fetch message (segments are batched up to it)."""
     max_message_bytes: int = 64 * MiB
@@ -76,6 +78,9 @@ class ClientConfig:
     """Parallel Fetch/Put streams to one shard (each carries a share of the chunks)."""
     window_bytes: int = 16 * MiB
     """HTTP/2 flow-control window per stream and connection (larger = fewer stalls)."""
+    data_plane: bool = True
+    """Fetch over the shards' bulk data plane (OpenFetch) when they offer one; False
+    streams through gRPC Fetch messages."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.stream_timeout_s <= 0:

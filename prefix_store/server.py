@@ -22,6 +22,7 @@ from prefix_store import wire
 from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
+from prefix_store.data_plane import DataPlane, head_major
 from prefix_store.errors import Aborted, InvalidArgument
 from prefix_store.layout import KVLayout
 from prefix_store.metadata import Metadata
@@ -70,8 +71,17 @@ def layout_of(message) -> KVLayout:
 
 
 class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
-    def __init__(self, shard: Shard, metadata: Metadata, config: ShardConfig) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        metadata: Metadata,
+        config: ShardConfig,
+        data_plane: DataPlane | None = None,
+        data_address: str = "",
+    ) -> None:
         self.shard = shard
+        self.data_plane = data_plane
+        self.data_address = data_address
         self.metadata = metadata
         self.config = config
         self.auth = Authenticator(metadata)
@@ -91,7 +101,14 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             namespaces=[
                 pb.NamespaceInfo(name=n.name, salt=n.salt) for n in tenant.namespaces.values()
             ],
-            shards=[pb.ShardInfo(shard_id=s.shard_id, address=s.address) for s in shards],
+            shards=[
+                pb.ShardInfo(
+                    shard_id=s.shard_id,
+                    address=s.address,
+                    data_address=s.info.get("data_address", ""),
+                )
+                for s in shards
+            ],
             replication=min(replication, max(1, len(shards))),
             max_message_bytes=self.config.max_message_bytes,
         )
@@ -144,16 +161,40 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             self.quota,
         )
 
-    @streaming
-    def Fetch(self, request, context):
+    def _fetch_args(self, request, context):
         _, space = self._caller(context, request.namespace)
         layout = layout_of(request)
         if not 0 < len(request.chunks) <= MAX_CHUNKS_PER_FETCH:
             raise InvalidArgument(f"chunks: between 1 and {MAX_CHUNKS_PER_FETCH} required")
-        message_bytes = self._message_bytes(request.max_message_bytes)
         end = request.layer_end or layout.num_layers
         refs = [ChunkRef(c.key, c.tokens) for c in request.chunks]
-        for batch in self.shard.fetch(space, layout, refs, request.layer_start, end, message_bytes):
+        return space, layout, refs, request.layer_start, end
+
+    @unary
+    def OpenFetch(self, request, context):
+        if self.data_plane is None:
+            raise InvalidArgument("OpenFetch: this shard has no data plane; use Fetch")
+        space, layout, refs, start, end = self._fetch_args(request, context)
+        stream = self.shard.open_fetch(space, layout, refs, start, end)
+        tokens = [ref.tokens for ref in refs]
+        row_bytes = layout.head_dim * layout.itemsize
+        frames = (
+            (layer, len(refs), head_major(segments, tokens, layout.num_kv_heads, row_bytes))
+            for layer, segments in stream.layers()
+        )
+        ticket = self.data_plane.issue(frames, stream.close)
+        return pb.FetchTicket(
+            ticket=ticket,
+            data_address=self.data_address,
+            total_bytes=stream.total_bytes,
+            expires_ms=int(self.data_plane.ticket_ttl_s * 1000),
+        )
+
+    @streaming
+    def Fetch(self, request, context):
+        space, layout, refs, start, end = self._fetch_args(request, context)
+        message_bytes = self._message_bytes(request.max_message_bytes)
+        for batch in self.shard.fetch(space, layout, refs, start, end, message_bytes):
             # Serialised here (see `wire`): one copy of the stored bytes into the message.
             yield wire.fetch_response([(lyr, c, (d,)) for lyr, c, d in batch])
 
@@ -297,6 +338,7 @@ def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
         "Describe": unary_unary("Describe", pb.DescribeRequest),
         "Lookup": unary_unary("Lookup", pb.LookupRequest),
         "Delete": unary_unary("Delete", pb.DeleteRequest),
+        "OpenFetch": unary_unary("OpenFetch", pb.FetchRequest),
         "Stats": unary_unary("Stats", pb.StatsRequest),
         "Put": grpc.stream_unary_rpc_method_handler(
             servicer.Put,
@@ -355,21 +397,31 @@ class ShardServer:
         self.config = config
         self.metadata = Metadata(redis_url)
         self.shard = Shard(config)
-        self.servicer = PrefixStoreServicer(self.shard, self.metadata, config)
+        self.data_plane = None
+        data_address = ""
+        if config.data_port is not None:
+            self.data_plane = DataPlane(config.host, config.data_port)
+            data_address = f"{config.advertised}:{self.data_plane.port}"
+        self.servicer = PrefixStoreServicer(
+            self.shard, self.metadata, config, self.data_plane, data_address
+        )
         self.server, self.port = create_server(self.servicer, config)
         self.address = f"{config.advertised}:{self.port}"
+        self.data_address = data_address
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
 
     def start(self) -> str:
         self.server.start()
+        if self.data_plane is not None:
+            self.data_plane.start()
         self._heartbeat()
         self._beat.start()
         log.info("shard %s serving on %s", self.config.shard_id, self.address)
         return self.address
 
     def _heartbeat(self) -> None:
-        info = self.servicer.shard_stats()
+        info = {**self.servicer.shard_stats(), "data_address": self.data_address}
         self.metadata.heartbeat(
             self.config.shard_id, self.address, info, self.shard.usage(), self.config.ttl_s
         )
@@ -388,5 +440,7 @@ class ShardServer:
             self.metadata.deregister(self.config.shard_id)
         except Exception as error:  # noqa: BLE001
             log.warning("shard %s: deregister failed: %s", self.config.shard_id, error)
+        if self.data_plane is not None:
+            self.data_plane.stop()
         self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
         self.shard.flush()

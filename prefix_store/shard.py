@@ -252,6 +252,22 @@ class Shard:
 
     # ---- fetch -------------------------------------------------------------------------
 
+    def open_fetch(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        refs: Sequence[ChunkRef],
+        layer_start: int,
+        layer_end: int,
+    ) -> FetchStream:
+        """Check the request and lease its chunks now; the stream reads them later."""
+        if not 0 <= layer_start < layer_end <= layout.num_layers:
+            raise InvalidArgument(
+                f"layer range: [{layer_start}, {layer_end}) is not within [0, {layout.num_layers}]"
+            )
+        blobs = self._lease_chunks(namespace, layout, refs)
+        return FetchStream(self, blobs, layer_start, layer_end)
+
     def fetch(
         self,
         namespace: Namespace,
@@ -263,15 +279,19 @@ class Shard:
     ) -> Iterator[list[tuple[int, int, bytes]]]:
         """Batches of (layer, chunk index, K+V bytes): every chunk of a layer before the next
         layer, batches of about `message_bytes`. The chunks are leased until it ends."""
-        if not 0 <= layer_start < layer_end <= layout.num_layers:
-            raise InvalidArgument(
-                f"layer range: [{layer_start}, {layer_end}) is not within [0, {layout.num_layers}]"
-            )
-        blobs = self._lease_chunks(namespace, layout, refs)
+        stream = self.open_fetch(namespace, layout, refs, layer_start, layer_end)
         try:
-            yield from self._batches(blobs, layer_start, layer_end, message_bytes)
+            batch, size = [], 0
+            for segment in stream.segments():
+                batch.append(segment)
+                size += len(segment[2])
+                if size >= message_bytes:
+                    yield batch
+                    batch, size = [], 0
+            if batch:
+                yield batch
         finally:
-            self._release([b.id for b in blobs])
+            stream.close()
 
     def _lease_chunks(self, namespace, layout, refs) -> list[Blob]:
         with self._lock:
@@ -294,21 +314,6 @@ class Shard:
                     if blob_id in self._doomed:
                         self._doomed.discard(blob_id)
                         self._drop(blob_id)
-
-    def _batches(self, blobs, layer_start, layer_end, message_bytes):
-        batch, size = [], 0
-        for layer in range(layer_start, layer_end):
-            for index, blob in enumerate(blobs):
-                data = self._read_segment(blob, layer)
-                batch.append((layer, index, data))
-                size += len(data)
-                if size >= message_bytes:
-                    yield batch
-                    self.stats.fetched_bytes += size
-                    batch, size = [], 0
-        if batch:
-            self.stats.fetched_bytes += size
-            yield batch
 
     def _read_segment(self, blob: Blob, index: int) -> bytes:
         if blob.data is not None:
@@ -438,6 +443,35 @@ class Shard:
                 self.disk.write(blob)
                 written += 1
         return written
+
+
+class FetchStream:
+    """Leased chunks being read: every chunk of a layer, then the next layer. `close`
+    releases the leases (idempotent); reading checks every segment's checksum."""
+
+    def __init__(self, shard: Shard, blobs: list[Blob], layer_start: int, layer_end: int):
+        self.shard, self.blobs = shard, blobs
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self._closed = False
+        self.total_bytes = sum(b.segment_bytes for b in blobs) * (layer_end - layer_start)
+
+    def layers(self) -> Iterator[tuple[int, list[bytes | memoryview]]]:
+        """(layer, each chunk's segment): a layer is read and checked whole before it is
+        handed out."""
+        for layer in range(self.layer_start, self.layer_end):
+            segments = [self.shard._read_segment(blob, layer) for blob in self.blobs]
+            self.shard.stats.fetched_bytes += sum(len(s) for s in segments)
+            yield layer, segments
+
+    def segments(self) -> Iterator[tuple[int, int, bytes | memoryview]]:
+        for layer, segments in self.layers():
+            for index, data in enumerate(segments):
+                yield layer, index, data
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.shard._release([b.id for b in self.blobs])
 
 
 class PutSession:

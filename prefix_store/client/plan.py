@@ -39,6 +39,8 @@ class Topology:
     shards: dict[str, str]
     """shard id -> address"""
     replication: int
+    data_addresses: dict[str, str]
+    """shard id -> address of its bulk data plane (shards without one are absent)"""
 
     @classmethod
     def from_proto(cls, response) -> Topology:
@@ -47,6 +49,7 @@ class Topology:
             salts={n.name: n.salt for n in response.namespaces},
             shards={s.shard_id: s.address for s in response.shards},
             replication=max(1, response.replication),
+            data_addresses={s.shard_id: s.data_address for s in response.shards if s.data_address},
         )
 
     def salt(self, namespace: str) -> bytes:
@@ -217,6 +220,17 @@ def fetch_request(
     )
 
 
+def runs(chunks: Sequence[ChunkPlan]) -> list[tuple[int, int]]:
+    """Token ranges covered by maximal runs of consecutive chunks, in order."""
+    out: list[list[int]] = []
+    for chunk in chunks:
+        if out and out[-1][1] == chunk.start:
+            out[-1][1] = chunk.start + chunk.tokens
+        else:
+            out.append([chunk.start, chunk.start + chunk.tokens])
+    return [(a, b) for a, b in out]
+
+
 class Assembly:
     """Fetched segments written into caller-owned `k_out`/`v_out`, each
     [layers in range, kv_heads, >= prefix tokens, head_dim]; tracks complete layers.
@@ -239,6 +253,8 @@ class Assembly:
                     f"[>={n}, {layout.num_kv_heads}, >={prefix.tokens}, {layout.head_dim}]"
                 )
         self.prefix, self.k_out, self.v_out = prefix, k_out, v_out
+        self.direct = k_out.is_contiguous() and v_out.is_contiguous()
+        """Whether received bytes can land in the outputs directly (`views`)."""
         self.layer_start, self.layer_end = layer_start, layer_end
         self._done: set[tuple[int, int]] = set()
         self._count = [0] * n
@@ -264,6 +280,22 @@ class Assembly:
             self.k_out[row, :, chunk.start : end].copy_(both[0])
             self.v_out[row, :, chunk.start : end].copy_(both[1])
             self._mark(row, chunk.index, len(data))
+
+    def layer_views(self, chunks: Sequence[ChunkPlan], layer: int) -> list[memoryview]:
+        """Writable views of where one data-plane layer frame goes: K then V, per head, per
+        run of consecutive chunks one contiguous region. Needs contiguous outputs."""
+        row = layer - self.layer_start
+        return [
+            memoryview(t[row, h, start:end].view(torch.uint8).numpy()).cast("B")
+            for t in (self.k_out, self.v_out)
+            for h in range(t.shape[1])
+            for start, end in runs(chunks)
+        ]
+
+    def mark_layer(self, chunks: Sequence[ChunkPlan], layer: int, nbytes: int) -> None:
+        """Record that one layer of `chunks` has been written into the outputs."""
+        for chunk in chunks:
+            self._mark(layer - self.layer_start, chunk.index, nbytes // len(chunks))
 
     def _mark(self, row: int, chunk_index: int, nbytes: int) -> None:
         with self._cond:

@@ -35,8 +35,9 @@ from prefix_store.client.plan import (
     split,
 )
 from prefix_store.client.retry import retrying, rpc_error
+from prefix_store.client.transfer import receive
 from prefix_store.config import ClientConfig
-from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
+from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.shard import validate_tokens
 
@@ -71,13 +72,22 @@ def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
     ]
 
 
-def exhausted(error: NotFound, failed: frozenset, cause: grpc.RpcError | None) -> StoreError:
+def exhausted(error: NotFound, failed: frozenset, cause: StoreError | None) -> StoreError:
     """The error of a fetch that ran out of replicas: a miss (NOT_FOUND, or corrupt
     everywhere) stays a miss; otherwise the shards were unavailable."""
     detail = f"fetch: {error} (tried {', '.join(sorted(failed))})"
-    if cause is not None and cause.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
-        return NotFound(f"{detail}: {cause.details()}")
-    return Unavailable(detail)
+    if isinstance(cause, NotFound | DataLoss):
+        return NotFound(f"{detail}: {cause}")
+    return Unavailable(f"{detail}: {cause}" if cause else detail)
+
+
+def failover_error(error: BaseException) -> StoreError | None:
+    """The typed error of a failed fetch stream if another replica may succeed, else None."""
+    if isinstance(error, grpc.RpcError):
+        return rpc_error(error) if error.code() in FAILOVER_FETCH else None
+    if isinstance(error, Unavailable | DataLoss | NotFound):
+        return error
+    return None
 
 
 def artifact_placement(prefix_key: int, spec: str) -> int:
@@ -382,30 +392,55 @@ class StoreClient:
                 self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
 
     def _stream(self, handle: FetchHandle, shard_id, lane, chunks, layer_from, failed) -> None:
+        """Fetch `chunks` from one shard (data plane when offered, else gRPC); on a failure
+        another replica may fix, continue from the first incomplete layer elsewhere."""
         assembly = handle.assembly
         request = fetch_request(
             assembly.prefix, chunks, layer_from, assembly.layer_end, self.config.message_bytes
         )
         try:
-            call = self._bulk_fetch(self._address(shard_id), lane)(
-                request, metadata=self._metadata, timeout=self.config.stream_timeout_s
-            )
-            handle.track(call)
-            for response in call:
-                assembly.apply(chunks, response)
-        except grpc.RpcError as error:
+            if self._use_data_plane(shard_id, assembly):
+                self._stream_data_plane(handle, shard_id, request, chunks, layer_from)
+            else:
+                self._stream_grpc(handle, shard_id, lane, request, chunks)
+        except Exception as error:  # noqa: BLE001 - every failure ends in the assembly
             if handle.cancelled:
                 return
-            if error.code() not in FAILOVER_FETCH:
-                assembly.fail(rpc_error(error))
+            cause = failover_error(error)
+            if cause is None:
+                assembly.fail(rpc_error(error) if isinstance(error, grpc.RpcError) else error)
                 return
-            log.warning(
-                "fetch: shard %s failed (%s); continuing from a replica", shard_id, error.code()
-            )
+            log.warning("fetch: shard %s failed (%s); continuing from a replica", shard_id, cause)
             resume = assembly.first_missing_layer(chunks)
-            self._spread(handle, chunks, resume, failed | {shard_id}, error)
-        except (StoreError, ValueError, RuntimeError) as error:
-            assembly.fail(error)
+            self._spread(handle, chunks, resume, failed | {shard_id}, cause)
+
+    def _use_data_plane(self, shard_id: str, assembly: Assembly) -> bool:
+        return (
+            self.config.data_plane and assembly.direct and shard_id in self.topology.data_addresses
+        )
+
+    def _stream_grpc(self, handle, shard_id, lane, request, chunks) -> None:
+        call = self._bulk_fetch(self._address(shard_id), lane)(
+            request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+        )
+        handle.track(call)
+        for response in call:
+            handle.assembly.apply(chunks, response)
+
+    def _stream_data_plane(self, handle, shard_id, request, chunks, layer_from) -> None:
+        ticket = self._stub(self._address(shard_id)).OpenFetch(
+            request, metadata=self._metadata, timeout=self.config.timeout_s
+        )
+        address = self.topology.data_addresses[shard_id]
+        receive(
+            address,
+            ticket.ticket,
+            handle.assembly,
+            chunks,
+            layer_from,
+            self.config.timeout_s,
+            track=handle.track,
+        )
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
 

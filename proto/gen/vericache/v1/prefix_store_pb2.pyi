@@ -31,12 +31,14 @@ class NamespaceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., salt: _Optional[bytes] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard_id", "address")
+    __slots__ = ("shard_id", "address", "data_address")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     address: str
-    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    data_address: str
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -167,6 +169,18 @@ class FetchResponse(_message.Message):
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class FetchTicket(_message.Message):
+    __slots__ = ("ticket", "data_address", "total_bytes", "expires_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_address: str
+    total_bytes: int
+    expires_ms: int
+    def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
 
 class ArtifactId(_message.Message):
     __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor")

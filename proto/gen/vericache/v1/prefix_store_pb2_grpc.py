@@ -54,6 +54,11 @@ class PrefixStoreStub(object):
                 request_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.SerializeToString,
                 response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.OpenFetch = channel.unary_unary(
+                '/vericache.v1.PrefixStore/OpenFetch',
+                request_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.SerializeToString,
+                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchTicket.FromString,
+                _registered_method=True)
         self.PutArtifact = channel.stream_unary(
                 '/vericache.v1.PrefixStore/PutArtifact',
                 request_serializer=vericache_dot_v1_dot_prefix__store__pb2.PutArtifactRequest.SerializeToString,
@@ -98,6 +103,12 @@ class PrefixStoreServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenFetch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,6 +160,11 @@ def add_PrefixStoreServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.FromString,
                     response_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchResponse.SerializeToString,
+            ),
+            'OpenFetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFetch,
+                    request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.FromString,
+                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchTicket.SerializeToString,
             ),
             'PutArtifact': grpc.stream_unary_rpc_method_handler(
                     servicer.PutArtifact,
@@ -279,6 +295,33 @@ class PrefixStore(object):
             '/vericache.v1.PrefixStore/Fetch',
             vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.SerializeToString,
             vericache_dot_v1_dot_prefix__store__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vericache.v1.PrefixStore/OpenFetch',
+            vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.SerializeToString,
+            vericache_dot_v1_dot_prefix__store__pb2.FetchTicket.FromString,
             options,
             channel_credentials,
             insecure,
