@@ -56,7 +56,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     """Bind address of the shards (0.0.0.0 to be reachable from other hosts)."""
     port: int = 0
-    """First shard port (shard i listens on port + i); 0 = free ports."""
+    """First shard gRPC port (shard i listens on port + i); 0 = free ports."""
+    data_port: int = 0
+    """First shard data-plane port (shard i on data_port + i); 0 = free ports."""
     memory_bytes: int = 2 * GiB
     """Memory tier per shard."""
     disk_bytes: int = 8 * GiB
@@ -82,6 +84,7 @@ class ServeConfig:
             disk_dir=Path(self.state_dir) / "shards" / f"shard-{index}",
             host=self.host,
             port=self.port + index if self.port else 0,
+            data_port=self.data_port + index if self.data_port else 0,
         )
 
 

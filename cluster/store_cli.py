@@ -53,6 +53,12 @@ def add_commands(sub) -> None:
         help="first shard port, shard i on PORT+i (default: free ports)",
     )
     serve.add_argument(
+        "--data-port",
+        type=int,
+        default=0,
+        help="first shard bulk data-plane port, shard i on DATA_PORT+i (default: free ports)",
+    )
+    serve.add_argument(
         "--memory-bytes",
         type=parse_bytes,
         default="2GiB",
@@ -123,6 +129,7 @@ def run_serve(ns) -> int:
             redis_url=ns.redis_url,
             host=ns.host,
             port=ns.port,
+            data_port=ns.data_port,
             memory_bytes=ns.memory_bytes,
             disk_bytes=ns.disk_bytes,
             state_dir=ns.state_dir or home() / "state",

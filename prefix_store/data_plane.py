@@ -6,12 +6,17 @@ straight from the stored segments and lands, on the client, straight in the call
 tensors (`recv_into`): the payload is copied once by each kernel and never by Python,
 where gRPC's own path copies it three to four more times.
 
+Puts go the same way in the other direction (`OpenPut`): the client sends one frame per
+layer from its tensors, then a commit frame b"VCCM" carrying each chunk's CRC-32C (u32
+each); the shard answers b"VCOK" with a serialised PutResponse, or b"VCER".
+
 One frame per layer: 16 bytes header (magic b"VCL1", u32 layer, u32 chunks, u32 n), then n
 bytes ordered as the client's tensors are: K then V; per KV head; per chunk (request
 order) that head's rows [tokens, head_dim]. So a run of consecutive chunks is one
 contiguous region per head on both sides. Every segment of a layer passes its checksum
-before the layer is sent; a failure is a frame b"VCER" whose n bytes are a UTF-8 message,
-after which the connection closes.
+before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
+"STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
+connection closes.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prefix_store.status import code_of
+
 log = logging.getLogger(__name__)
 HEADER = struct.Struct("<4sIII")
 OK = b"VCL1"
+COMMIT = b"VCCM"
+DONE = b"VCOK"
 IOV_BATCH = 512
 ERROR = b"VCER"
 TICKET_BYTES = 16
@@ -37,11 +46,48 @@ SOCKET_BUFFER = 4 << 20
 
 @dataclass
 class Transfer:
-    """What a ticket grants: (layer, chunks, buffers in wire order) frames, and cleanup."""
+    """What a ticket grants: `run(conn)` moves the bytes; `close()` always runs after it (or
+    when the ticket expires unused) and releases what the transfer held."""
 
-    frames: Iterator[tuple[int, int, list]]
+    run: Callable[[socket.socket], None]
     close: Callable[[], None]
     expires: float
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill a flat (format "B") view."""
+    while view.nbytes:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("the peer closed the data connection mid-transfer")
+        view = view[n:]
+
+
+def send_frames(sock: socket.socket, frames: Iterator[tuple[int, int, list]]) -> None:
+    """Send (layer, chunks, buffers in wire order) frames."""
+    for layer, chunks, buffers in frames:
+        size = sum(b.nbytes for b in buffers)
+        sock.sendall(HEADER.pack(OK, layer, chunks, size))
+        send_buffers(sock, buffers)
+
+
+def error_frame(code: str, message: str) -> bytes:
+    text = f"{code}\n{message}".encode()[:65536]
+    return HEADER.pack(ERROR, 0, 0, len(text)) + text
+
+
+def read_frame_header(sock: socket.socket) -> tuple[bytes, int, int, int]:
+    header = bytearray(HEADER.size)
+    recv_exact(sock, memoryview(header))
+    return HEADER.unpack(header)
+
+
+def read_error(sock: socket.socket, size: int) -> tuple[str, str]:
+    """(status code name, message) of an error frame whose header has been read."""
+    body = bytearray(min(size, 65536))
+    recv_exact(sock, memoryview(body))
+    code, _, message = body.decode(errors="replace").partition("\n")
+    return code, message
 
 
 def head_major(segments: list, tokens: list[int], kv_heads: int, row_bytes: int) -> list:
@@ -96,12 +142,12 @@ class DataPlane:
     def start(self) -> None:
         self._thread.start()
 
-    def issue(self, frames: Iterator, close: Callable[[], None]) -> bytes:
+    def issue(self, run: Callable[[socket.socket], None], close: Callable[[], None]) -> bytes:
         """Register a transfer; returns its single-use ticket."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             self._expire(time.monotonic())
-            self._tickets[ticket] = Transfer(frames, close, time.monotonic() + self.ticket_ttl_s)
+            self._tickets[ticket] = Transfer(run, close, time.monotonic() + self.ticket_ttl_s)
         return ticket
 
     def _expire(self, now: float) -> None:
@@ -133,16 +179,14 @@ class DataPlane:
             if transfer is None:
                 return
             try:
-                for layer, chunks, buffers in transfer.frames:
-                    size = sum(b.nbytes for b in buffers)
-                    conn.sendall(HEADER.pack(OK, layer, chunks, size))
-                    send_buffers(conn, buffers)
+                transfer.run(conn)
             except OSError as error:  # the client went away: nothing to report to
                 log.info("data plane: transfer aborted: %s", error)
             except Exception as error:  # noqa: BLE001 - report it in band, then close
-                message = str(error).encode()[:65536]
+                if code_of(error).name == "INTERNAL":
+                    log.exception("data plane: internal error")
                 with contextlib.suppress(OSError):
-                    conn.sendall(HEADER.pack(ERROR, 0, 0, len(message)) + message)
+                    conn.sendall(error_frame(code_of(error).name, str(error)))
             finally:
                 transfer.close()
 
@@ -159,9 +203,8 @@ class DataPlane:
         with self._lock:
             transfer = self._tickets.pop(bytes(ticket), None)
         if transfer is None:
-            message = b"unknown or expired ticket"
             with contextlib.suppress(OSError):
-                conn.sendall(HEADER.pack(ERROR, 0, 0, len(message)) + message)
+                conn.sendall(error_frame("UNAVAILABLE", "unknown or expired ticket"))
         return transfer
 
     def stop(self) -> None:

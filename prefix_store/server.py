@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 import threading
 from concurrent import futures
 
@@ -22,7 +23,17 @@ from prefix_store import wire
 from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
-from prefix_store.data_plane import DataPlane, head_major
+from prefix_store.data_plane import (
+    COMMIT,
+    DONE,
+    HEADER,
+    OK,
+    DataPlane,
+    head_major,
+    read_frame_header,
+    recv_exact,
+    send_frames,
+)
 from prefix_store.errors import Aborted, InvalidArgument
 from prefix_store.layout import KVLayout
 from prefix_store.metadata import Metadata
@@ -182,11 +193,24 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             (layer, len(refs), head_major(segments, tokens, layout.num_kv_heads, row_bytes))
             for layer, segments in stream.layers()
         )
-        ticket = self.data_plane.issue(frames, stream.close)
-        return pb.FetchTicket(
+        ticket = self.data_plane.issue(lambda conn: send_frames(conn, frames), stream.close)
+        return pb.TransferTicket(
             ticket=ticket,
             data_address=self.data_address,
             total_bytes=stream.total_bytes,
+            expires_ms=int(self.data_plane.ticket_ttl_s * 1000),
+        )
+
+    @unary
+    def OpenPut(self, request, context):
+        if self.data_plane is None:
+            raise InvalidArgument("OpenPut: this shard has no data plane; use Put")
+        session = self._begin_put(request, context)
+        ticket = self.data_plane.issue(lambda conn: receive_put(conn, session), lambda: None)
+        return pb.TransferTicket(
+            ticket=ticket,
+            data_address=self.data_address,
+            total_bytes=session.layer_bytes * session.layout.num_layers,
             expires_ms=int(self.data_plane.ticket_ttl_s * 1000),
         )
 
@@ -319,6 +343,31 @@ def server_options(config: ShardConfig) -> list[tuple[str, int]]:
     ]
 
 
+def receive_put(conn, session) -> None:
+    """The data-plane side of OpenPut: every layer frame straight into the session's
+    buffers, then the commit frame; answers with the PutResponse."""
+    layout = session.layout
+    for layer in range(layout.num_layers):
+        magic, got, chunks, size = read_frame_header(conn)
+        if (magic, got, chunks, size) != (OK, layer, len(session.indices), session.layer_bytes):
+            raise InvalidArgument(
+                f"frame: expected layer {layer} of {len(session.indices)} chunks "
+                f"({session.layer_bytes} bytes), got {(magic, got, chunks, size)}"
+            )
+        for view in session.layer_views(layer):
+            recv_exact(conn, view)
+    magic, _, chunks, size = read_frame_header(conn)
+    if magic != COMMIT or chunks != len(session.indices) or size != 4 * chunks:
+        raise InvalidArgument("frame: expected the commit frame with one CRC-32C per chunk")
+    crcs = bytearray(size)
+    recv_exact(conn, memoryview(crcs))
+    done = session.commit(list(struct.unpack(f"<{chunks}I", crcs)))
+    reply = pb.PutResponse(
+        chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
+    ).SerializeToString()
+    conn.sendall(HEADER.pack(DONE, 0, 0, len(reply)) + reply)
+
+
 def _same(raw: bytes) -> bytes:
     return raw
 
@@ -339,6 +388,7 @@ def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
         "Lookup": unary_unary("Lookup", pb.LookupRequest),
         "Delete": unary_unary("Delete", pb.DeleteRequest),
         "OpenFetch": unary_unary("OpenFetch", pb.FetchRequest),
+        "OpenPut": unary_unary("OpenPut", pb.PutHeader),
         "Stats": unary_unary("Stats", pb.StatsRequest),
         "Put": grpc.stream_unary_rpc_method_handler(
             servicer.Put,

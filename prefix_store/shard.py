@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prefix_store.blob import Blob, BlobId, combined_crc, crc32c
 from prefix_store.config import ShardConfig
+from prefix_store.data_plane import head_major
 from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreFull
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
@@ -503,6 +504,26 @@ class PutSession:
             raise InvalidArgument("header.chunk_indices: indices must be unique")
         if min(self.indices) < 0 or max(self.indices) >= n_chunks:
             raise InvalidArgument(f"header.chunk_indices: must be in [0, {n_chunks})")
+
+    def layer_views(self, layer: int) -> list[memoryview]:
+        """Fresh buffers for one layer of every chunk, as writable views in data-plane wire
+        order (K then V, per head, per chunk); the layer counts as received once filled."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidArgument(f"frame.layer: {layer} is not in [0, {self.layout.num_layers})")
+        if any(self.segments[j][layer] is not None for j in range(len(self.indices))):
+            raise InvalidArgument(f"frame: layer {layer} sent twice")
+        buffers = []
+        for j, tokens in enumerate(self.tokens):
+            buffers.append(bytearray(self.layout.segment_bytes(len(tokens))))
+            self.segments[j][layer] = buffers[-1]
+        self.received += len(buffers)
+        row_bytes = self.layout.head_dim * self.layout.itemsize
+        lengths = [len(t) for t in self.tokens]
+        return head_major(buffers, lengths, self.layout.num_kv_heads, row_bytes)
+
+    @property
+    def layer_bytes(self) -> int:
+        return sum(self.layout.segment_bytes(len(t)) for t in self.tokens)
 
     def add(self, layer: int, chunk: int, data) -> None:
         """Stage one segment: `data` (a read-only view of a received message) is kept as it is,

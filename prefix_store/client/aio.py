@@ -24,6 +24,7 @@ from prefix_store.client.plan import (
     fetch_request,
     group_by_owner,
     plan_chunks,
+    put_header,
     put_messages,
     settle,
     split,
@@ -38,7 +39,9 @@ from prefix_store.client.sync import (
     artifact_placement,
     channel_options,
     exhausted,
+    failover_error,
 )
+from prefix_store.client.transfer import receive, send_put
 from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
@@ -200,6 +203,20 @@ class AsyncStoreClient:
 
     async def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
         async def call(target: str) -> int:
+            if self.config.data_plane and target in self.topology.data_addresses:
+                header = put_header(namespace, layout, ids, chunks)
+                ticket = await self._stub(self._address(target)).OpenPut(
+                    header, metadata=self._metadata, timeout=self.config.timeout_s
+                )
+                return await asyncio.to_thread(
+                    send_put,
+                    self.topology.data_addresses[target],
+                    ticket.ticket,
+                    layout,
+                    chunks,
+                    layers,
+                    self.config.stream_timeout_s,
+                )
             put = self._channel(self._address(target), lane).stream_unary(
                 PUT_METHOD,
                 request_serializer=_same,
@@ -228,7 +245,10 @@ class AsyncStoreClient:
             raise NotFound("fetch: the prefix has no cached chunks")
         assembly = Assembly(prefix, k_out, v_out, layer_start, layer_end)
         progress = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        assembly.listeners.append(lambda: loop.call_soon_threadsafe(progress.set))
         tasks: set[asyncio.Task] = set()
+        cancels: list = []
 
         def spread(chunks, layer_from: int, failed: frozenset, cause=None) -> None:
             try:
@@ -247,25 +267,22 @@ class AsyncStoreClient:
             request = fetch_request(
                 prefix, chunks, layer_from, layer_end, self.config.message_bytes
             )
-            fetch = self._channel(self._address(shard_id), lane).unary_stream(
-                FETCH_METHOD,
-                request_serializer=pb.FetchRequest.SerializeToString,
-                response_deserializer=_same,
-            )
             try:
-                async for raw in fetch(
-                    request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+                if (
+                    self.config.data_plane
+                    and assembly.direct
+                    and (shard_id in self.topology.data_addresses)
                 ):
-                    assembly.apply(chunks, raw)
-                    progress.set()
-            except grpc.RpcError as error:
-                if error.code() not in FAILOVER_FETCH:
-                    assembly.fail(rpc_error(error))
+                    await self._stream_data_plane(shard_id, request, assembly, chunks, cancels)
+                else:
+                    await self._stream_grpc(shard_id, lane, request, assembly, chunks)
+            except Exception as error:  # noqa: BLE001 - every failure ends in the assembly
+                cause = failover_error(error)
+                if cause is None:
+                    assembly.fail(rpc_error(error) if isinstance(error, grpc.RpcError) else error)
                 else:
                     resume = assembly.first_missing_layer(chunks)
-                    spread(chunks, resume, failed | {shard_id}, error)
-            except (StoreError, ValueError, RuntimeError) as error:
-                assembly.fail(error)
+                    spread(chunks, resume, failed | {shard_id}, cause)
             progress.set()
 
         spread(list(prefix.chunks), layer_start, frozenset())
@@ -282,6 +299,35 @@ class AsyncStoreClient:
         finally:
             for task in tasks:
                 task.cancel()
+            for transfer in cancels:
+                transfer.cancel()
+
+    async def _stream_grpc(self, shard_id, lane, request, assembly, chunks) -> None:
+        fetch = self._channel(self._address(shard_id), lane).unary_stream(
+            FETCH_METHOD,
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=_same,
+        )
+        async for raw in fetch(
+            request, metadata=self._metadata, timeout=self.config.stream_timeout_s
+        ):
+            assembly.apply(chunks, raw)
+
+    async def _stream_data_plane(self, shard_id, request, assembly, chunks, cancels) -> None:
+        ticket = await self._stub(self._address(shard_id)).OpenFetch(
+            request, metadata=self._metadata, timeout=self.config.timeout_s
+        )
+        address = self.topology.data_addresses[shard_id]
+        await asyncio.to_thread(
+            receive,
+            address,
+            ticket.ticket,
+            assembly,
+            chunks,
+            request.layer_start,
+            self.config.timeout_s,
+            cancels.append,
+        )
 
     async def fetch_layers(self, prefix, k_out, v_out, layer_start=0, layer_end=None) -> int:
         """Stream all requested layers into the outputs; returns the bytes received."""

@@ -168,6 +168,39 @@ def segment_views(k: torch.Tensor, v: torch.Tensor, chunk: ChunkPlan) -> list[me
     ]
 
 
+def put_header(
+    namespace: str, layout: KVLayout, tokens: Sequence[int], chunks: Sequence[ChunkPlan]
+) -> pb.PutHeader:
+    end = max(c.start + c.tokens for c in chunks)
+    return pb.PutHeader(
+        namespace=namespace,
+        layout=layout.to_proto(pb),
+        token_ids=list(tokens[:end]),
+        chunk_indices=[c.index for c in chunks],
+    )
+
+
+def chunk_crcs(layers, chunks: Sequence[ChunkPlan]) -> list[int]:
+    """Each chunk's CRC-32C over its layer-major segments (what PutCommit carries)."""
+    crcs = [0] * len(chunks)
+    for k, v in layers:
+        for j, chunk in enumerate(chunks):
+            for view in segment_views(k, v, chunk):
+                crcs[j] = crc32c(view, crcs[j])
+    return crcs
+
+
+def wire_views(k: torch.Tensor, v: torch.Tensor, chunks: Sequence[ChunkPlan]) -> list[memoryview]:
+    """One layer of `chunks` in data-plane wire order: K then V, per head, per run of
+    consecutive chunks one contiguous region of the (contiguous) tensors."""
+    return [
+        memoryview(t[h, start:end].view(torch.uint8).numpy()).cast("B")
+        for t in (k, v)
+        for h in range(t.shape[0])
+        for start, end in runs(chunks)
+    ]
+
+
 def put_messages(
     namespace: str,
     layout: KVLayout,
@@ -178,13 +211,7 @@ def put_messages(
 ) -> Iterator[bytes]:
     """Serialised PutRequests: the header, layer-major segment batches of about
     `message_bytes`, then the commit with each chunk's CRC-32C over its layer-major bytes."""
-    end = max(c.start + c.tokens for c in chunks)
-    header = pb.PutHeader(
-        namespace=namespace,
-        layout=layout.to_proto(pb),
-        token_ids=list(tokens[:end]),
-        chunk_indices=[c.index for c in chunks],
-    )
+    header = put_header(namespace, layout, tokens, chunks)
     yield pb.PutRequest(header=header).SerializeToString()
     crcs = [0] * len(chunks)
     batch, size = [], 0
@@ -261,6 +288,8 @@ class Assembly:
         self._cond = threading.Condition()
         self.error: BaseException | None = None
         self.bytes = 0
+        self.listeners: list = []
+        """Called (from any thread) whenever a layer completes or the transfer fails."""
 
     def apply(self, chunks: Sequence[ChunkPlan], raw: bytes) -> None:
         """Write the segments of one serialised FetchResponse (views, no parse copies)."""
@@ -306,6 +335,8 @@ class Assembly:
             self._count[row] += 1
             if self._count[row] == len(self.prefix.chunks):
                 self._cond.notify_all()
+                for listener in self.listeners:
+                    listener()
 
     def first_missing_layer(self, chunks: Sequence[ChunkPlan]) -> int:
         """The first layer (absolute) some of `chunks` still lack."""
@@ -323,6 +354,8 @@ class Assembly:
         with self._cond:
             self.error = self.error or error
             self._cond.notify_all()
+            for listener in self.listeners:
+                listener()
 
     def wait_layer(self, layer: int, timeout: float) -> None:
         """Block until `layer` is complete; re-raise the transfer's failure."""

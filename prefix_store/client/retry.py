@@ -25,38 +25,41 @@ def rpc_error(error: grpc.RpcError) -> StoreError:
     return error_of(error.code(), error.details() or str(error.code()))
 
 
+def retryable(error: grpc.RpcError | Unavailable) -> StoreError:
+    """The error as a typed one if retrying may help; raises it at once otherwise."""
+    if isinstance(error, Unavailable):
+        return error
+    if error.code() in RETRYABLE or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return rpc_error(error)
+    raise rpc_error(error) from error
+
+
 def retrying(config: ClientConfig, targets: Sequence[str], call: Callable[[str], T]) -> T:
     """`call(target)` on the targets in turn until one answers; UNAVAILABLE moves on."""
-    last: grpc.RpcError | None = None
+    last: StoreError | None = None
     for attempt in range(config.retries):
         target = targets[attempt % len(targets)]
         try:
             return call(target)
-        except grpc.RpcError as error:
-            if error.code() not in RETRYABLE and error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise rpc_error(error) from error
-            last = error
+        except (grpc.RpcError, Unavailable) as error:
+            last = retryable(error)
             time.sleep(backoff(config, attempt))
     raise Unavailable(
-        f"{len(targets)} shard(s) unavailable after {config.retries} attempts: "
-        f"{last.details() if last else ''}"
+        f"{len(targets)} shard(s) unavailable after {config.retries} attempts: {last}"
     )
 
 
 async def retrying_async(
     config: ClientConfig, targets: Sequence[str], call: Callable[[str], Awaitable[T]]
 ) -> T:
-    last: grpc.RpcError | None = None
+    last: StoreError | None = None
     for attempt in range(config.retries):
         target = targets[attempt % len(targets)]
         try:
             return await call(target)
-        except grpc.RpcError as error:
-            if error.code() not in RETRYABLE and error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise rpc_error(error) from error
-            last = error
+        except (grpc.RpcError, Unavailable) as error:
+            last = retryable(error)
             await asyncio.sleep(backoff(config, attempt))
     raise Unavailable(
-        f"{len(targets)} shard(s) unavailable after {config.retries} attempts: "
-        f"{last.details() if last else ''}"
+        f"{len(targets)} shard(s) unavailable after {config.retries} attempts: {last}"
     )

@@ -30,12 +30,13 @@ from prefix_store.client.plan import (
     fetch_request,
     group_by_owner,
     plan_chunks,
+    put_header,
     put_messages,
     settle,
     split,
 )
 from prefix_store.client.retry import retrying, rpc_error
-from prefix_store.client.transfer import receive
+from prefix_store.client.transfer import receive, send_put
 from prefix_store.config import ClientConfig
 from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
@@ -328,6 +329,15 @@ class StoreClient:
 
     def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> pb.PutResponse:
         def call(target: str) -> pb.PutResponse:
+            if self.config.data_plane and target in self.topology.data_addresses:
+                header = put_header(namespace, layout, ids, chunks)
+                ticket = self._stub(self._address(target)).OpenPut(
+                    header, metadata=self._metadata, timeout=self.config.timeout_s
+                )
+                address = self.topology.data_addresses[target]
+                return send_put(
+                    address, ticket.ticket, layout, chunks, layers, self.config.stream_timeout_s
+                )
             put = self._bulk_put(self._address(target), lane)
             messages = put_messages(
                 namespace, layout, ids, chunks, layers, self.config.message_bytes

@@ -5,20 +5,34 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 from collections.abc import Callable, Sequence
 
-from prefix_store.client.plan import Assembly, ChunkPlan
-from prefix_store.data_plane import ERROR, HEADER, OK, tune
-from prefix_store.errors import DataLoss, NotFound, Unavailable
+import grpc
+from vericache.v1 import prefix_store_pb2 as pb
+
+from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
+from prefix_store.data_plane import (
+    COMMIT,
+    DONE,
+    ERROR,
+    HEADER,
+    OK,
+    read_error,
+    read_frame_header,
+    recv_exact,
+    send_buffers,
+    tune,
+)
+from prefix_store.errors import StoreError, Unavailable
+from prefix_store.layout import KVLayout
+from prefix_store.status import error_of
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill a flat (format "B") view."""
-    while view.nbytes:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("the shard closed the data connection mid-transfer")
-        view = view[n:]
+def in_band_error(sock: socket.socket, size: int) -> StoreError:
+    code, message = read_error(sock, size)
+    status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNAVAILABLE)
+    return error_of(status, f"data plane: {message}")
 
 
 class Cancel:
@@ -51,7 +65,6 @@ def receive(
     layout = assembly.prefix.layout
     layers = assembly.layer_end - layer_from
     expected = sum(layout.segment_bytes(c.tokens) for c in chunks)
-    header = bytearray(HEADER.size)
     try:
         with socket.create_connection(host_port(address), timeout=timeout_s) as sock:
             tune(sock)
@@ -59,20 +72,50 @@ def receive(
                 track(Cancel(sock))
             sock.sendall(ticket)
             for step in range(layers):
-                recv_exact(sock, memoryview(header))
-                magic, layer, count, size = HEADER.unpack(header)
+                magic, layer, count, size = read_frame_header(sock)
                 if magic == ERROR:
-                    message = bytearray(size)
-                    recv_exact(sock, memoryview(message))
-                    text = message.decode(errors="replace")
-                    raise (DataLoss if "checksum" in text else NotFound)(f"data plane: {text}")
+                    raise in_band_error(sock, size)
                 if (magic, layer, count, size) != (OK, layer_from + step, len(chunks), expected):
+                    want = (OK, layer_from + step, len(chunks), expected)
                     raise Unavailable(
-                        f"data plane: unexpected frame from {address}: "
-                        f"{(magic, layer, count, size)} != {(OK, layer_from + step, len(chunks), expected)}"
+                        f"data plane: frame {(magic, layer, count, size)} from {address}, "
+                        f"expected {want}"
                     )
                 for view in assembly.layer_views(chunks, layer):
                     recv_exact(sock, view)
                 assembly.mark_layer(chunks, layer, size)
+    except OSError as error:
+        raise Unavailable(f"data plane {address}: {error}") from error
+
+
+def send_put(
+    address: str,
+    ticket: bytes,
+    layout: KVLayout,
+    chunks: Sequence[ChunkPlan],
+    layers,
+    timeout_s: float,
+) -> pb.PutResponse:
+    """Redeem an OpenPut ticket: every layer of `chunks` from the tensors (no copies), the
+    commit with each chunk's CRC-32C, then the shard's PutResponse or its typed error."""
+    crcs = chunk_crcs(layers, chunks)
+    layer_bytes = sum(layout.segment_bytes(c.tokens) for c in chunks)
+    try:
+        with socket.create_connection(host_port(address), timeout=timeout_s) as sock:
+            tune(sock)
+            sock.sendall(ticket)
+            for layer, (k, v) in enumerate(layers):
+                sock.sendall(HEADER.pack(OK, layer, len(chunks), layer_bytes))
+                send_buffers(sock, wire_views(k, v, chunks))
+            commit = struct.pack(f"<{len(crcs)}I", *crcs)
+            sock.sendall(HEADER.pack(COMMIT, 0, len(chunks), len(commit)) + commit)
+            magic, _, _, size = read_frame_header(sock)
+            if magic == ERROR:
+                raise in_band_error(sock, size)
+            if magic != DONE:
+                raise Unavailable(f"data plane: unexpected reply from {address}")
+            body = bytearray(size)
+            recv_exact(sock, memoryview(body))
+            return pb.PutResponse.FromString(bytes(body))
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error

@@ -42,7 +42,7 @@ def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, m
             lines.append(line)
             if "Ctrl-C" in line:
                 break
-        endpoint = next(l.split()[1] for l in lines if l.strip().startswith("endpoint"))
+        endpoint = next(x.split()[1] for x in lines if x.strip().startswith("endpoint"))
         assert (tmp_path / "cluster.json").exists()
         capsys.readouterr()
         assert main(["tenant", "add", "alice"]) == 0

@@ -170,7 +170,7 @@ class FetchResponse(_message.Message):
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
-class FetchTicket(_message.Message):
+class TransferTicket(_message.Message):
     __slots__ = ("ticket", "data_address", "total_bytes", "expires_ms")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -57,7 +57,12 @@ class PrefixStoreStub(object):
         self.OpenFetch = channel.unary_unary(
                 '/vericache.v1.PrefixStore/OpenFetch',
                 request_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.SerializeToString,
-                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchTicket.FromString,
+                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
+                _registered_method=True)
+        self.OpenPut = channel.unary_unary(
+                '/vericache.v1.PrefixStore/OpenPut',
+                request_serializer=vericache_dot_v1_dot_prefix__store__pb2.PutHeader.SerializeToString,
+                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
                 _registered_method=True)
         self.PutArtifact = channel.stream_unary(
                 '/vericache.v1.PrefixStore/PutArtifact',
@@ -114,6 +119,12 @@ class PrefixStoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenPut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutArtifact(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -164,7 +175,12 @@ def add_PrefixStoreServicer_to_server(servicer, server):
             'OpenFetch': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenFetch,
                     request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.FromString,
-                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchTicket.SerializeToString,
+                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.SerializeToString,
+            ),
+            'OpenPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenPut,
+                    request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.PutHeader.FromString,
+                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.SerializeToString,
             ),
             'PutArtifact': grpc.stream_unary_rpc_method_handler(
                     servicer.PutArtifact,
@@ -321,7 +337,34 @@ class PrefixStore(object):
             target,
             '/vericache.v1.PrefixStore/OpenFetch',
             vericache_dot_v1_dot_prefix__store__pb2.FetchRequest.SerializeToString,
-            vericache_dot_v1_dot_prefix__store__pb2.FetchTicket.FromString,
+            vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vericache.v1.PrefixStore/OpenPut',
+            vericache_dot_v1_dot_prefix__store__pb2.PutHeader.SerializeToString,
+            vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
             options,
             channel_credentials,
             insecure,
