@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.PrefixStore"
 MAX_CHUNKS_PER_FETCH = 1 << 16
 MAX_SPEC = 256
+TRANSPORT_SLACK = 2
 
 
 def _fail(context: grpc.ServicerContext, error: Exception):
@@ -57,6 +58,8 @@ def unary(method):
     @functools.wraps(method)
     def handler(self, request, context):
         try:
+            if hasattr(request, "ByteSize"):
+                self.check_size(type(request).__name__, request.ByteSize())
             return method(self, request, context)
         except Exception as error:  # noqa: BLE001 - every failure gets a precise status
             _fail(context, error)
@@ -68,6 +71,7 @@ def streaming(method):
     @functools.wraps(method)
     def handler(self, request, context):
         try:
+            self.check_size(type(request).__name__, request.ByteSize())
             yield from method(self, request, context)
         except Exception as error:  # noqa: BLE001
             _fail(context, error)
@@ -97,6 +101,13 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.config = config
         self.auth = Authenticator(metadata)
         self.quota = QuotaGuard(metadata, config.shard_id, shard.usage)
+
+    def check_size(self, name: str, nbytes: int) -> None:
+        if nbytes > self.config.max_message_bytes:
+            raise InvalidArgument(
+                f"{name}: a message of {nbytes} bytes exceeds the limit of "
+                f"{self.config.max_message_bytes} bytes"
+            )
 
     def _caller(self, context, namespace: str | None = None):
         tenant = self.auth.tenant(context.invocation_metadata())
@@ -144,6 +155,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         """Requests arrive serialised (see `wire`): segments are parsed without copies."""
         session = None
         for raw in request_iterator:
+            self.check_size("PutRequest", len(raw))
             part, value = wire.decode_put(raw)
             if session is None:
                 if part != "header":
@@ -244,6 +256,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 layout = layout_of(ident)
                 self._check_spec(ident.compressor)
             elif part == "data":
+                self.check_size("PutArtifactRequest", message.ByteSize())
                 size += len(message.data)
                 if size > self.config.max_put_bytes:
                     raise InvalidArgument(
@@ -336,7 +349,10 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 def server_options(config: ShardConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # The transport accepts up to twice the limit, so that a message over the limit (but
+        # under the cap) gets INVALID_ARGUMENT naming it; beyond the cap gRPC itself
+        # answers RESOURCE_EXHAUSTED before any handler runs.
+        ("grpc.max_receive_message_length", TRANSPORT_SLACK * config.max_message_bytes),
         ("grpc.http2.lookahead_bytes", 16 << 20),
         ("grpc.http2.bdp_probe", 1),
         ("grpc.so_reuseport", 0),

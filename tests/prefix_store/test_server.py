@@ -153,13 +153,18 @@ def test_malformed_segments_and_orders_are_invalid_argument(store, metadata):
 def test_oversized_messages_are_rejected_and_the_server_keeps_serving(store, metadata):
     store.start(max_message_bytes=1 << 20, message_bytes=1 << 20)
     token = metadata.add_tenant("alice")
-    huge = pb.PutRequest(header=pb.PutHeader(layout=LAYOUT.to_proto(pb), token_ids=[1] * (1 << 19)))
+    huge = pb.PutRequest(
+        header=pb.PutHeader(layout=LAYOUT.to_proto(pb), token_ids=[1 << 20] * 400_000)
+    )
     with pytest.raises(grpc.RpcError) as error:
         stub(store).Put(iter([huge]), metadata=auth(token))
-    assert error.value.code() in (
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.INVALID_ARGUMENT,
-    )
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the limit of 1048576 bytes" in error.value.details()
+    lookup = pb.LookupRequest(layout=LAYOUT.to_proto(pb), token_ids=[1 << 20] * 400_000)
+    with pytest.raises(grpc.RpcError) as error:
+        stub(store).Lookup(lookup, metadata=auth(token))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "LookupRequest" in error.value.details()
     assert stub(store).Describe(pb.DescribeRequest(), metadata=auth(token)).tenant == "alice"
 
 
