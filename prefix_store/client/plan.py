@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
@@ -153,19 +154,21 @@ def as_layers(kv, layout: KVLayout, tokens: int) -> list[tuple[torch.Tensor, tor
                     f"kv[{i}].{name}: shape {tuple(t.shape)}, expected "
                     f"[{layout.num_kv_heads}, >={tokens}, {layout.head_dim}]"
                 )
-        out.append((k.detach().cpu().contiguous(), v.detach().cpu().contiguous()))
+        out.append((byte_rows(k), byte_rows(v)))
     return out
 
 
-def segment_views(k: torch.Tensor, v: torch.Tensor, chunk: ChunkPlan) -> list[memoryview]:
+def byte_rows(t: torch.Tensor) -> np.ndarray:
+    """A KV tensor [kv_heads, tokens, head_dim] as a uint8 array [kv_heads, tokens, row
+    bytes] over the same memory (numpy slicing is ~10x cheaper than torch's)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy()
+
+
+def segment_views(k: np.ndarray, v: np.ndarray, chunk: ChunkPlan) -> list[memoryview]:
     """One layer of one chunk on the wire is K then V, [kv_heads, tokens, head_dim] each:
-    the per-head row blocks of contiguous k and v, as views (copied once, into the message)."""
+    the per-head row blocks of k and v (`byte_rows`), as views."""
     end = chunk.start + chunk.tokens
-    return [
-        memoryview(t[h, chunk.start : end].view(torch.uint8).numpy())
-        for t in (k, v)
-        for h in range(t.shape[0])
-    ]
+    return [memoryview(t[h, chunk.start : end]) for t in (k, v) for h in range(t.shape[0])]
 
 
 def put_header(
@@ -190,11 +193,11 @@ def chunk_crcs(layers, chunks: Sequence[ChunkPlan]) -> list[int]:
     return crcs
 
 
-def wire_views(k: torch.Tensor, v: torch.Tensor, chunks: Sequence[ChunkPlan]) -> list[memoryview]:
-    """One layer of `chunks` in data-plane wire order: K then V, per head, per run of
-    consecutive chunks one contiguous region of the (contiguous) tensors."""
+def wire_views(k: np.ndarray, v: np.ndarray, chunks: Sequence[ChunkPlan]) -> list[memoryview]:
+    """One layer of `chunks` (`byte_rows`) in data-plane wire order: K then V, per head, per
+    run of consecutive chunks one contiguous region."""
     return [
-        memoryview(t[h, start:end].view(torch.uint8).numpy()).cast("B")
+        memoryview(t[h, start:end]).cast("B")
         for t in (k, v)
         for h in range(t.shape[0])
         for start, end in runs(chunks)
@@ -206,7 +209,7 @@ def put_messages(
     layout: KVLayout,
     tokens: Sequence[int],
     chunks: Sequence[ChunkPlan],
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    layers: list[tuple[np.ndarray, np.ndarray]],
     message_bytes: int,
 ) -> Iterator[bytes]:
     """Serialised PutRequests: the header, layer-major segment batches of about
