@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from prefix_store.blob import Blob, BlobId, combined_crc, crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import head_major
@@ -494,7 +496,10 @@ class PutSession:
                 f"put: {total} bytes exceed the per-put limit of {shard.config.max_put_bytes}"
             )
         quota(owner, total)
-        self.segments: list[list[bytes | None]] = [[None] * layout.num_layers for _ in self.tokens]
+        self.segments: list[list[bytes | memoryview | None]] = [
+            [None] * layout.num_layers for _ in self.tokens
+        ]
+        self.arrays: list[np.ndarray | None] = [None] * len(self.tokens)
         self.received = 0
 
     def _check_indices(self, n_chunks: int) -> None:
@@ -506,15 +511,20 @@ class PutSession:
             raise InvalidArgument(f"header.chunk_indices: must be in [0, {n_chunks})")
 
     def layer_views(self, layer: int) -> list[memoryview]:
-        """Fresh buffers for one layer of every chunk, as writable views in data-plane wire
-        order (K then V, per head, per chunk); the layer counts as received once filled."""
+        """Where one layer of every chunk goes, as writable views in data-plane wire order
+        (K then V, per head, per chunk); the layer counts as received once filled. Each
+        chunk gets one uninitialised buffer for all its layers (no zero-fill pass: the
+        socket writes every byte of it)."""
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidArgument(f"frame.layer: {layer} is not in [0, {self.layout.num_layers})")
         if any(self.segments[j][layer] is not None for j in range(len(self.indices))):
             raise InvalidArgument(f"frame: layer {layer} sent twice")
         buffers = []
         for j, tokens in enumerate(self.tokens):
-            buffers.append(bytearray(self.layout.segment_bytes(len(tokens))))
+            size = self.layout.segment_bytes(len(tokens))
+            if self.arrays[j] is None:
+                self.arrays[j] = np.empty(size * self.layout.num_layers, dtype=np.uint8)
+            buffers.append(memoryview(self.arrays[j])[layer * size : (layer + 1) * size])
             self.segments[j][layer] = buffers[-1]
         self.received += len(buffers)
         row_bytes = self.layout.head_dim * self.layout.itemsize
