@@ -20,7 +20,7 @@ system runs on fresh memory looks slow. `--prefault-gib` (default 8) first touch
 much memory in a throwaway process, so every system below runs on warm pages.
 
 Usage: python bench/bench_store.py [--shards 1 2 4] [--tokens 8192] [--repeats 3]
-       [--message-mib 1] [--streams 2] [--out bench/results/store.json]
+       [--message-mib 1] [--streams 2] [--prefault-gib 8] [--out bench/results/store.json]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--message-mib", type=float, default=1.0)
-    parser.add_argument("--streams", type=int, default=2, help="streams per shard")
+    parser.add_argument("--streams", type=int, default=2, help="parallel streams per transfer")
     parser.add_argument("--skip-lmcache", action="store_true")
     parser.add_argument("--prefault-gib", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/store.json"))
@@ -75,7 +75,7 @@ def measure_store(shards: int, args, kv: torch.Tensor) -> dict:
         with Deployment(config) as deployment:
             token = Metadata(deployment.redis_url).add_tenant("bench")
             client_config = ClientConfig(
-                message_bytes=int(args.message_mib * MiB), streams_per_shard=args.streams
+                message_bytes=int(args.message_mib * MiB), streams=args.streams
             )
             endpoints = list(deployment.endpoints.values())
             with StoreClient(endpoints, token, client_config) as client:
@@ -188,7 +188,7 @@ def main(argv=None) -> None:
                 "tokens": args.tokens,
                 "repeats": args.repeats,
                 "message_mib": args.message_mib,
-                "streams_per_shard": args.streams,
+                "streams": args.streams,
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                 "rows": rows,
             },

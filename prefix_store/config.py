@@ -74,8 +74,10 @@ class ClientConfig:
     message_bytes: int = 4 * MiB
     """Target size of Put messages and of requested Fetch messages."""
     max_message_bytes: int = 64 * MiB
-    streams_per_shard: int = 2
-    """Parallel Fetch/Put streams to one shard (each carries a share of the chunks)."""
+    streams: int = 2
+    """Parallel bulk streams per transfer, spread over the shards involved (at least one per
+    shard; a shard gets several when there are fewer shards than streams). More streams than
+    cores only add contention."""
     window_bytes: int = 16 * MiB
     """HTTP/2 flow-control window per stream and connection (larger = fewer stalls)."""
     data_plane: bool = True
@@ -87,5 +89,5 @@ class ClientConfig:
             raise ValueError("timeouts must be > 0")
         if self.retries < 1:
             raise ValueError("retries must be >= 1")
-        if self.streams_per_shard < 1:
-            raise ValueError("streams_per_shard must be >= 1")
+        if self.streams < 1:
+            raise ValueError("streams must be >= 1")

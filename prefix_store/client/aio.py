@@ -23,11 +23,11 @@ from prefix_store.client.plan import (
     as_layers,
     fetch_request,
     group_by_owner,
+    lanes,
     plan_chunks,
     put_header,
     put_messages,
     settle,
-    split,
 )
 from prefix_store.client.retry import retrying_async, rpc_error
 from prefix_store.client.sync import (
@@ -176,15 +176,9 @@ class AsyncStoreClient:
             for shard_id in self.topology.owners(chunk.parent):
                 placement.setdefault(shard_id, []).append(chunk)
         jobs = []
-        for shard_id, group in placement.items():
-            for lane, part in enumerate(split(group, self.config.streams_per_shard)):
-                jobs.append(
-                    (
-                        shard_id,
-                        part,
-                        self._put(shard_id, lane, namespace, layout, ids, part, layers),
-                    )
-                )
+        for shard_id, lane, part in lanes(placement, self.config.streams):
+            put = self._put(shard_id, lane, namespace, layout, ids, part, layers)
+            jobs.append((shard_id, part, put))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         outcomes = []
         for (shard_id, part, _), result in zip(jobs, results, strict=True):
@@ -257,11 +251,10 @@ class AsyncStoreClient:
                 assembly.fail(exhausted(error, failed, cause))
                 progress.set()
                 return
-            for shard_id, group in groups.items():
-                for lane, part in enumerate(split(group, self.config.streams_per_shard)):
-                    task = asyncio.ensure_future(stream(shard_id, lane, part, layer_from, failed))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+            for shard_id, lane, part in lanes(groups, self.config.streams):
+                task = asyncio.ensure_future(stream(shard_id, lane, part, layer_from, failed))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
 
         async def stream(shard_id, lane, chunks, layer_from, failed) -> None:
             request = fetch_request(

@@ -121,6 +121,17 @@ def group_by_owner(
     return groups
 
 
+def lanes(groups: dict[str, list], streams: int) -> list[tuple[str, int, list]]:
+    """(shard, lane, chunks) streams for a transfer: `streams` spread over the groups, at
+    least one per group, each group's chunks in contiguous runs."""
+    per_group = max(1, round(streams / max(1, len(groups))))
+    return [
+        (shard_id, lane, part)
+        for shard_id, group in groups.items()
+        for lane, part in enumerate(split(group, per_group))
+    ]
+
+
 def split(items: list, parts: int) -> list[list]:
     """`items` in up to `parts` contiguous, nearly equal runs."""
     parts = max(1, min(parts, len(items)))

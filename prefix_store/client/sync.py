@@ -2,7 +2,7 @@
 `lookup`, `publish_prefix`, `fetch_layers`/`start_fetch` and artifact calls.
 
 Thread-safe. Every call has a deadline (`ClientConfig`). Transfers run on parallel
-streams (one set per shard, `streams_per_shard` each, on separate connections) straight
+streams (`ClientConfig.streams`, at least one per shard, on separate connections) straight
 into caller-owned tensors; a stream that fails with UNAVAILABLE, DATA_LOSS or NOT_FOUND
 continues from its first incomplete layer on the next replica of its chunks.
 """
@@ -29,11 +29,11 @@ from prefix_store.client.plan import (
     as_layers,
     fetch_request,
     group_by_owner,
+    lanes,
     plan_chunks,
     put_header,
     put_messages,
     settle,
-    split,
 )
 from prefix_store.client.retry import retrying, rpc_error
 from prefix_store.client.transfer import receive, send_put
@@ -290,12 +290,9 @@ class StoreClient:
             for shard_id in self.topology.owners(chunk.parent):
                 placement.setdefault(shard_id, []).append(chunk)
         jobs = {}
-        for shard_id, group in placement.items():
-            for lane, part in enumerate(split(group, self.config.streams_per_shard)):
-                job = self._pool.submit(
-                    self._put, shard_id, lane, namespace, layout, ids, part, layers
-                )
-                jobs[job] = (shard_id, part)
+        for shard_id, lane, part in lanes(placement, self.config.streams):
+            job = self._pool.submit(self._put, shard_id, lane, namespace, layout, ids, part, layers)
+            jobs[job] = (shard_id, part)
         return self._publish_result(jobs, chunks, namespace, layout)
 
     def _publish_result(self, jobs, chunks, namespace, layout) -> PublishResult:
@@ -397,9 +394,8 @@ class StoreClient:
         except NotFound as error:
             handle.assembly.fail(exhausted(error, failed, cause))
             return
-        for shard_id, group in groups.items():
-            for lane, part in enumerate(split(group, self.config.streams_per_shard)):
-                self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
+        for shard_id, lane, part in lanes(groups, self.config.streams):
+            self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
 
     def _stream(self, handle: FetchHandle, shard_id, lane, chunks, layer_from, failed) -> None:
         """Fetch `chunks` from one shard (data plane when offered, else gRPC); on a failure

@@ -43,7 +43,7 @@ def tenant(name: str, redis_url: str, capsys) -> str:
 
 
 def client(deployment, token):
-    config = ClientConfig(message_bytes=256 * 1024, window_bytes=MiB, streams_per_shard=1)
+    config = ClientConfig(message_bytes=256 * 1024, window_bytes=MiB, streams=1)
     return StoreClient(list(deployment.endpoints.values()), token, config)
 
 

@@ -36,7 +36,7 @@ def test_data_plane_and_grpc_paths_store_and_return_the_same_bytes(
     with store.client(token, data_plane=put_plane) as writer:
         assert writer.topology.data_addresses.keys() == {"shard-0", "shard-1"}
         writer.publish_prefix(TOKENS, kv, LAYOUT)
-    with store.client(token, data_plane=fetch_plane, streams_per_shard=2) as reader:
+    with store.client(token, data_plane=fetch_plane, streams=4) as reader:
         prefix = reader.lookup(TOKENS, LAYOUT)
         k, v = empty(prefix.tokens)
         reader.fetch_layers(prefix, k, v)

@@ -80,7 +80,7 @@ def test_a_shard_lost_mid_fetch_is_replaced_by_a_replica_bitwise(store, metadata
     token = metadata.add_tenant("alice")
     tokens = list(range(4096))
     kv = random_kv(BIG, 4096, seed=5)
-    config = dict(message_bytes=256 * 1024, window_bytes=1 << 20, streams_per_shard=1)
+    config = dict(message_bytes=256 * 1024, window_bytes=1 << 20, streams=1)
     with store.client(token, **config) as client:
         prefix = client.publish_prefix(tokens, kv, BIG).prefix
         k, v = empty(BIG, 4096)
