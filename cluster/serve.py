@@ -100,6 +100,14 @@ class Deployment:
         self._owns_ray = False
 
     def start(self) -> Deployment:
+        """Start everything; on any failure, stop what did start and re-raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Deployment:
         if self.redis_url is None:
             self.redis = RedisServer(Path(self.config.state_dir) / "redis").start()
             self.redis_url = self.redis.url
@@ -143,9 +151,11 @@ class Deployment:
     def stop_shard(self, index: int) -> None:
         """Stop a shard gracefully (its memory tier is persisted to disk first)."""
         actor = self.actors.pop(index)
-        ray.get(actor.stop.remote(), timeout=60)
-        ray.kill(actor)
         self.endpoints.pop(index, None)
+        try:
+            ray.get(actor.stop.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
 
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors.values()], timeout=30)

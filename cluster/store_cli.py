@@ -140,8 +140,9 @@ def run_serve(ns) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    deployment = Deployment(config).start()
+    deployment = Deployment(config)
     try:
+        deployment.start()
         print(f"vericache store: {config.shards} shard(s) up", flush=True)
         for endpoint in deployment.endpoints.values():
             print(f"  endpoint {endpoint}")

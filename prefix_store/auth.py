@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-from prefix_store.errors import NotFound, QuotaExceeded, Unauthenticated
+from prefix_store.errors import NotFound, Unauthenticated
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.namespace import Namespace
+from prefix_store.shard import Allowance
 
 BEARER = "bearer "
 
@@ -59,22 +60,16 @@ class Authenticator:
 
 
 class QuotaGuard:
-    """quota(owner, new_bytes) for one shard: usage on the other live shards (from their
-    heartbeats) plus this shard's own, exact usage."""
+    """quota(owner) for one shard: the owner's quota and its usage on the other live shards
+    (from their heartbeats); the shard adds its own, exact usage under its lock."""
 
-    def __init__(self, metadata: Metadata, shard_id: str, local_usage) -> None:
+    def __init__(self, metadata: Metadata, shard_id: str) -> None:
         self.metadata = metadata
         self.shard_id = shard_id
-        self.local_usage = local_usage
 
-    def __call__(self, owner: str, new_bytes: int) -> None:
+    def __call__(self, owner: str) -> Allowance | None:
         tenant = self.metadata.tenant(owner)
-        if tenant is None or tenant.quota == 0 or new_bytes == 0:
-            return
-        used = self.metadata.usage(exclude_shard=self.shard_id).get(owner, 0)
-        used += self.local_usage().get(owner, 0)
-        if used + new_bytes > tenant.quota:
-            raise QuotaExceeded(
-                f"tenant {owner!r}: {used} bytes stored + {new_bytes} new bytes exceed "
-                f"its quota of {tenant.quota} bytes"
-            )
+        if tenant is None or tenant.quota == 0:
+            return None
+        elsewhere = self.metadata.usage(exclude_shard=self.shard_id).get(owner, 0)
+        return Allowance(tenant.quota, elsewhere)

@@ -138,21 +138,31 @@ class DataPlane:
         self._stopped = threading.Event()
         self._connections: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, name="data-plane", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name="ticket-reaper", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        """Expire unused tickets (releasing their leases) even when no new ones are issued."""
+        while not self._stopped.wait(min(1.0, self.ticket_ttl_s / 2)):
+            self._expire(time.monotonic())
 
     def issue(self, run: Callable[[socket.socket], None], close: Callable[[], None]) -> bytes:
         """Register a transfer; returns its single-use ticket."""
         ticket = secrets.token_bytes(TICKET_BYTES)
+        self._expire(time.monotonic())
         with self._lock:
-            self._expire(time.monotonic())
             self._tickets[ticket] = Transfer(run, close, time.monotonic() + self.ticket_ttl_s)
         return ticket
 
     def _expire(self, now: float) -> None:
-        for ticket in [t for t, x in self._tickets.items() if x.expires < now]:
-            self._tickets.pop(ticket).close()
+        with self._lock:
+            expired = [t for t, x in self._tickets.items() if x.expires < now]
+            transfers = [self._tickets.pop(t) for t in expired]
+        for transfer in transfers:  # outside the lock: closing takes the shard's lock
+            transfer.close()
 
     def _accept(self) -> None:
         while not self._stopped.is_set():
@@ -202,6 +212,9 @@ class DataPlane:
             return None
         with self._lock:
             transfer = self._tickets.pop(bytes(ticket), None)
+        if transfer is not None and transfer.expires < time.monotonic():
+            transfer.close()
+            transfer = None
         if transfer is None:
             with contextlib.suppress(OSError):
                 conn.sendall(error_frame("UNAVAILABLE", "unknown or expired ticket"))
@@ -217,6 +230,7 @@ class DataPlane:
             for conn in self._connections:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
-            for transfer in self._tickets.values():
-                transfer.close()
+            transfers = list(self._tickets.values())
             self._tickets.clear()
+        for transfer in transfers:
+            transfer.close()

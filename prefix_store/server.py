@@ -14,6 +14,7 @@ import threading
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from vericache.v1 import prefix_store_pb2 as pb
@@ -79,6 +80,21 @@ def streaming(method):
     return handler
 
 
+def parse(message_class, raw: bytes):
+    try:
+        return message_class.FromString(raw)
+    except DecodeError as error:
+        raise InvalidArgument(f"{message_class.__name__}: malformed message ({error})") from error
+
+
+def client_stream(requests):
+    """The client's messages; a client that goes away mid-stream ends the RPC as ABORTED."""
+    try:
+        yield from requests
+    except grpc.RpcError as error:
+        raise Aborted("the client went away mid-stream; nothing was stored") from error
+
+
 def layout_of(message) -> KVLayout:
     if not message.HasField("layout"):
         raise InvalidArgument("layout: required")
@@ -100,7 +116,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.metadata = metadata
         self.config = config
         self.auth = Authenticator(metadata)
-        self.quota = QuotaGuard(metadata, config.shard_id, shard.usage)
+        self.quota = QuotaGuard(metadata, config.shard_id)
 
     def check_size(self, name: str, nbytes: int) -> None:
         if nbytes > self.config.max_message_bytes:
@@ -154,18 +170,18 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
     def Put(self, request_iterator, context):
         """Requests arrive serialised (see `wire`): segments are parsed without copies."""
         session = None
-        for raw in request_iterator:
+        for raw in client_stream(request_iterator):
             self.check_size("PutRequest", len(raw))
             part, value = wire.decode_put(raw)
             if session is None:
                 if part != "header":
                     raise InvalidArgument("put: the first message must be a header")
-                session = self._begin_put(pb.PutHeader.FromString(value), context)
+                session = self._begin_put(parse(pb.PutHeader, value), context)
             elif part == "segments":
                 for layer, chunk, data in value:
                     session.add(layer, chunk, data)
             elif part == "commit":
-                done = session.commit(list(pb.PutCommit.FromString(value).crc32c))
+                done = session.commit(list(parse(pb.PutCommit, value).crc32c))
                 return pb.PutResponse(
                     chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
                 )
@@ -246,7 +262,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
     @unary
     def PutArtifact(self, request_iterator, context):
         ident, parts, size, crc = None, [], 0, None
-        for message in request_iterator:
+        for message in client_stream(request_iterator):
             part = message.WhichOneof("part")
             if ident is None:
                 if part != "id":
@@ -324,9 +340,23 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
     @unary
     def Stats(self, request, context):
         tenant, _ = self._caller(context)
-        return pb.StatsResponse(**self.shard_stats(tenant.name))
+        return pb.StatsResponse(**self.tenant_stats(tenant.name))
 
-    def shard_stats(self, tenant: str | None = None) -> dict:
+    def tenant_stats(self, tenant: str) -> dict:
+        """What a tenant may see: capacities and its own data. Shard-wide activity (other
+        tenants' bytes, hits, fetches) stays with operators (`vericache status`)."""
+        counts = self.shard.counts(owner=tenant)
+        return {
+            "shard_id": self.config.shard_id,
+            "memory_capacity": self.shard.memory.capacity,
+            "disk_capacity": self.shard.disk.capacity,
+            "chunks": counts["chunks"],
+            "artifacts": counts["artifacts"],
+            "tenant_bytes": self.shard.usage().get(tenant, 0),
+        }
+
+    def shard_stats(self) -> dict:
+        """Shard-wide figures, for the membership heartbeat (operators)."""
         counts = self.shard.counts()
         stats = self.shard.stats
         return {
@@ -337,7 +367,6 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             "disk_capacity": self.shard.disk.capacity,
             "chunks": counts["chunks"],
             "artifacts": counts["artifacts"],
-            "tenant_bytes": self.shard.usage().get(tenant, 0) if tenant else 0,
             "lookup_hits": stats.hits,
             "lookup_misses": stats.misses,
             "fetched_bytes": stats.fetched_bytes,

@@ -20,7 +20,14 @@ import numpy as np
 from prefix_store.blob import Blob, BlobId, combined_crc, crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import head_major
-from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreFull
+from prefix_store.errors import (
+    DataLoss,
+    InvalidArgument,
+    NotFound,
+    QuotaExceeded,
+    StoreFull,
+    Unavailable,
+)
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
@@ -28,8 +35,19 @@ from prefix_store.tiers import DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
 
-# quota(owner, new_bytes) raises QuotaExceeded when the owner may not store new_bytes more.
-QuotaCheck = Callable[[str, int], None]
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """What the metadata plane says about an owner: its quota and its bytes elsewhere."""
+
+    quota: int
+    elsewhere: int
+    """Bytes the owner stores on the other live shards."""
+
+
+# quota(owner) -> the owner's Allowance, or None when unlimited. It may do network I/O,
+# so the shard calls it before taking its lock and checks its own usage under the lock.
+QuotaCheck = Callable[[str], Allowance | None]
 MAX_TOKEN_ID = 1 << 31
 
 
@@ -108,6 +126,20 @@ class Shard:
 
     def _is_leased(self, blob_id: BlobId) -> bool:
         return self._leases[blob_id] > 0
+
+    def _find_live(self, blob_id: BlobId) -> Blob | None:
+        """A blob readers may use: not one waiting for its leases to end before removal."""
+        return None if blob_id in self._doomed else self._find(blob_id)
+
+    def _check_quota(self, owner: str, allowance: Allowance | None, new_bytes: int) -> None:
+        if allowance is None or new_bytes == 0:
+            return
+        used = allowance.elsewhere + self.stats.usage.get(owner, 0)
+        if used + new_bytes > allowance.quota:
+            raise QuotaExceeded(
+                f"tenant {owner!r}: {used} bytes stored + {new_bytes} new bytes exceed "
+                f"its quota of {allowance.quota} bytes"
+            )
 
     def _find(self, blob_id: BlobId) -> Blob | None:
         return self.memory.get(blob_id) or self.disk.get(blob_id)
@@ -205,7 +237,7 @@ class Shard:
         tokens = _chunk_tokens(ids, layout, index)
         if len(tokens) < layout.chunk_tokens:
             return False
-        blob = self._find(chunk_id(namespace, keys[index]))
+        blob = self._find_live(chunk_id(namespace, keys[index]))
         return self._matches(blob, layout, tokens)
 
     @staticmethod
@@ -216,7 +248,7 @@ class Shard:
         want = _chunk_tokens(ids, layout, index)
         best = (index, 0, 0)
         for key in self._partials.get((namespace.id, parents[index]), ()):
-            blob = self._find(chunk_id(namespace, key))
+            blob = self._find_live(chunk_id(namespace, key))
             n = len(blob.tokens) if blob is not None else 0
             if n > best[1] and self._matches(blob, layout, want[:n]) and n <= len(want):
                 best = (index, n, key)
@@ -239,10 +271,12 @@ class Shard:
 
     def commit(self, blobs: list[Blob], owner: str, quota: QuotaCheck) -> Committed:
         """Make complete, checked blobs visible, all or none."""
+        allowance = quota(owner)
         with self._lock:
+            self._refuse_doomed(blobs)
             new = [b for b in blobs if self._find(b.id) is None]
             new_bytes = sum(b.nbytes for b in new)
-            quota(owner, new_bytes)
+            self._check_quota(owner, allowance, new_bytes)
             if not self._room_for(new_bytes):
                 raise StoreFull(
                     f"shard {self.config.shard_id}: no room for {new_bytes} bytes "
@@ -252,6 +286,23 @@ class Shard:
             for blob in new:
                 self._place(blob)
         return Committed([b.id[2] for b in blobs], new_bytes, [b.id[2] for b in new])
+
+    def _refuse_doomed(self, blobs: list[Blob]) -> None:
+        for blob in blobs:
+            if blob.id in self._doomed:
+                raise Unavailable(
+                    f"{blob.kind} {blob.id[2]:016x} is being removed (reads still hold it); "
+                    "retry shortly"
+                )
+
+    def new_bytes(self, namespace: Namespace, keys: Sequence[int], sizes: Sequence[int]) -> int:
+        """Bytes a put of these chunks would add (chunks already stored cost nothing)."""
+        with self._lock:
+            return sum(
+                size
+                for key, size in zip(keys, sizes, strict=True)
+                if self._find_live(chunk_id(namespace, key)) is None
+            )
 
     # ---- fetch -------------------------------------------------------------------------
 
@@ -300,7 +351,7 @@ class Shard:
         with self._lock:
             blobs = []
             for index, ref in enumerate(refs):
-                blob = self._find(chunk_id(namespace, ref.key))
+                blob = self._find_live(chunk_id(namespace, ref.key))
                 if blob is None or blob.layout != layout or len(blob.tokens) != ref.tokens:
                     raise NotFound(f"chunks[{index}]: chunk {ref.key:016x} is not stored here")
                 blobs.append(blob)
@@ -322,7 +373,10 @@ class Shard:
         if blob.data is not None:
             data = blob.segment(index)
         else:
-            data = self.disk.read_segment(blob.id, index)
+            try:
+                data = self.disk.read_segment(blob.id, index)
+            except (OSError, KeyError) as error:
+                self._corrupt(blob, f"segment {index} unreadable: {error}")
         if crc32c(data) != blob.crcs[index]:
             self._corrupt(blob, f"segment {index}")
         return data
@@ -367,11 +421,18 @@ class Shard:
             crcs=(crc32c(data),),
             data=(data,),
         )
+        allowance = quota(owner)
         with self._lock:
+            self._refuse_doomed([blob])
             old = self._find(blob.id)
+            replaced = old.nbytes if old is not None and old.owner == owner else 0
+            self._check_quota(owner, allowance, max(0, blob.nbytes - replaced))
+            if not self._room_for(blob.nbytes - (old.nbytes if old is not None else 0)):
+                raise StoreFull(f"shard {self.config.shard_id}: no room for {blob.nbytes} bytes")
             if old is not None:
                 self._drop(blob.id)
-            return self.commit([blob], owner, quota).new_bytes
+            self._place(blob)
+            return blob.nbytes
 
     def fetch_artifact(
         self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
@@ -379,7 +440,7 @@ class Shard:
         """The artifact's bytes and its prefix length."""
         blob_id = artifact_id(namespace, layout, prefix_key, spec)
         with self._lock:
-            blob = self._find(blob_id)
+            blob = self._find_live(blob_id)
             if blob is None:
                 raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
             self._leases[blob_id] += 1
@@ -423,9 +484,12 @@ class Shard:
         with self._lock:
             return dict(self.stats.usage)
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, owner: str | None = None) -> dict[str, int]:
+        """Chunks and artifacts held (only `owner`'s when given) and leased blobs."""
         with self._lock:
             ids = set(self.memory.ids()) | set(self.disk.ids())
+            if owner is not None:
+                ids = {i for i in ids if self._find(i).owner == owner}
             return {
                 "chunks": sum(1 for i in ids if i[0] == "chunk"),
                 "artifacts": sum(1 for i in ids if i[0] == "artifact"),
@@ -495,12 +559,24 @@ class PutSession:
             raise InvalidArgument(
                 f"put: {total} bytes exceed the per-put limit of {shard.config.max_put_bytes}"
             )
-        quota(owner, total)
+        sizes = [layout.chunk_bytes(len(t)) for t in self.tokens]
+        shard._check_quota(owner, quota(owner), shard.new_bytes(namespace, self.keys, sizes))
         self.segments: list[list[bytes | memoryview | None]] = [
             [None] * layout.num_layers for _ in self.tokens
         ]
         self.arrays: list[np.ndarray | None] = [None] * len(self.tokens)
         self.received = 0
+
+    @staticmethod
+    def _own(segments: tuple) -> tuple[memoryview, ...]:
+        """The segments copied into one buffer of the chunk's own, so that a stored chunk
+        does not keep whole request messages (shared with other chunks) alive."""
+        size = len(segments[0])
+        buffer = np.empty(size * len(segments), dtype=np.uint8)
+        view = memoryview(buffer)
+        for i, segment in enumerate(segments):
+            view[i * size : (i + 1) * size] = segment
+        return tuple(view[i * size : (i + 1) * size] for i in range(len(segments)))
 
     def _check_indices(self, n_chunks: int) -> None:
         if not self.indices:
@@ -568,6 +644,8 @@ class PutSession:
         data = tuple(self.segments[j])
         if combined_crc(data) != crc:
             raise InvalidArgument(f"commit.crc32c[{j}]: chunk {j} arrived corrupted")
+        if self.arrays[j] is None:  # gRPC path: views of request messages shared by chunks
+            data = self._own(data)
         self.segments[j] = []
         return Blob(
             id=("chunk", self.namespace.id, self.keys[j]),

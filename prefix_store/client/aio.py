@@ -8,6 +8,8 @@ incomplete layer); `iter_layers` is an async generator of completed layer indice
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -46,6 +48,29 @@ from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.shard import validate_tokens
+
+log = logging.getLogger(__name__)
+
+
+class Cancels:
+    """Data-plane transfers of one fetch; one registered after `cancel_all` is cut at once."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def track(self, item) -> None:
+        with self._lock:
+            self._items.append(item)
+            if self.cancelled:
+                item.cancel()
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            for item in self._items:
+                item.cancel()
 
 
 class AsyncStoreClient:
@@ -188,9 +213,15 @@ class AsyncStoreClient:
         settled = settle(chunks, outcomes, self.topology.replication)
         if settled.error is not None:
             for shard_id, keys in settled.done:
-                if keys:
-                    request = pb.DeleteRequest(namespace=namespace, chunk_keys=keys)
+                if not keys:
+                    continue
+                request = pb.DeleteRequest(namespace=namespace, chunk_keys=keys)
+                try:
                     await self._unary([shard_id], "Delete", request)
+                except StoreError as error:  # best effort: the chunks are valid data
+                    log.warning(
+                        "publish: could not undo %d chunks on %s: %s", len(keys), shard_id, error
+                    )
             raise settled.error
         prefix = CachedPrefix(namespace, layout, len(ids), tuple(chunks))
         return PublishResult(prefix, settled.stored_bytes, settled.missing_replicas)
@@ -242,7 +273,7 @@ class AsyncStoreClient:
         loop = asyncio.get_running_loop()
         assembly.listeners.append(lambda: loop.call_soon_threadsafe(progress.set))
         tasks: set[asyncio.Task] = set()
-        cancels: list = []
+        cancels = Cancels()
 
         def spread(chunks, layer_from: int, failed: frozenset, cause=None) -> None:
             try:
@@ -250,6 +281,8 @@ class AsyncStoreClient:
             except NotFound as error:
                 assembly.fail(exhausted(error, failed, cause))
                 progress.set()
+                return
+            if layer_from >= layer_end or assembly.stopped:
                 return
             for shard_id, lane, part in lanes(groups, self.config.streams):
                 task = asyncio.ensure_future(stream(shard_id, lane, part, layer_from, failed))
@@ -287,13 +320,22 @@ class AsyncStoreClient:
                     if not tasks:
                         raise Unavailable(f"fetch: layer {layer} never arrived")
                     progress.clear()
-                    await asyncio.wait_for(progress.wait(), self.config.stream_timeout_s)
+                    try:
+                        await asyncio.wait_for(progress.wait(), self.config.stream_timeout_s)
+                    except TimeoutError as error:
+                        raise Unavailable(
+                            f"fetch: layer {layer} did not arrive within "
+                            f"{self.config.stream_timeout_s:.0f} s"
+                        ) from error
                 yield layer
         finally:
-            for task in tasks:
+            # Cut the streams, then wait for them: nothing may write into the outputs after.
+            assembly.close()
+            cancels.cancel_all()
+            if tasks:
+                await asyncio.wait(list(tasks), timeout=self.config.timeout_s)
+            for task in list(tasks):
                 task.cancel()
-            for transfer in cancels:
-                transfer.cancel()
 
     async def _stream_grpc(self, shard_id, lane, request, assembly, chunks) -> None:
         fetch = self._channel(self._address(shard_id), lane).unary_stream(
@@ -319,7 +361,7 @@ class AsyncStoreClient:
             chunks,
             request.layer_start,
             self.config.timeout_s,
-            cancels.append,
+            cancels.track,
         )
 
     async def fetch_layers(self, prefix, k_out, v_out, layer_start=0, layer_end=None) -> int:
@@ -380,7 +422,7 @@ class AsyncStoreClient:
                     request, metadata=self._metadata, timeout=self.config.stream_timeout_s
                 ):
                     parts.append(message.data)
-                    crc = message.crc32c or crc
+                    crc = message.crc32c  # carried by the last message
             except grpc.RpcError as error:
                 if error.code() in FAILOVER_FETCH:
                     continue

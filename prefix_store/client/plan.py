@@ -15,7 +15,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import wire
 from prefix_store.blob import crc32c
-from prefix_store.errors import InvalidArgument, NotFound, Unavailable
+from prefix_store.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
 
@@ -294,13 +294,15 @@ class Assembly:
                     f"[>={n}, {layout.num_kv_heads}, >={prefix.tokens}, {layout.head_dim}]"
                 )
         self.prefix, self.k_out, self.v_out = prefix, k_out, v_out
-        self.direct = k_out.is_contiguous() and v_out.is_contiguous()
+        self.direct = all(t.is_contiguous() and t.device.type == "cpu" for t in (k_out, v_out))
         """Whether received bytes can land in the outputs directly (`views`)."""
         self.layer_start, self.layer_end = layer_start, layer_end
         self._done: set[tuple[int, int]] = set()
         self._count = [0] * n
         self._cond = threading.Condition()
         self.error: BaseException | None = None
+        self.closed = False
+        """Set once the consumer gave up: streams stop writing into the outputs."""
         self.bytes = 0
         self.listeners: list = []
         """Called (from any thread) whenever a layer completes or the transfer fails."""
@@ -308,6 +310,8 @@ class Assembly:
     def apply(self, chunks: Sequence[ChunkPlan], raw: bytes) -> None:
         """Write the segments of one serialised FetchResponse (views, no parse copies)."""
         layout = self.prefix.layout
+        if self.stopped:
+            raise Aborted("fetch: the transfer was cancelled or failed elsewhere")
         for layer, index, data in wire.decode_segments(memoryview(raw)):
             if not (0 <= index < len(chunks) and self.layer_start <= layer < self.layer_end):
                 raise InvalidArgument(f"fetch: unexpected segment (layer {layer}, chunk {index})")
@@ -351,6 +355,16 @@ class Assembly:
                 self._cond.notify_all()
                 for listener in self.listeners:
                     listener()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether streams must stop writing (failed or closed)."""
+        return self.closed or self.error is not None
 
     def first_missing_layer(self, chunks: Sequence[ChunkPlan]) -> int:
         """The first layer (absolute) some of `chunks` still lack."""

@@ -29,7 +29,7 @@ def retryable(error: grpc.RpcError | Unavailable) -> StoreError:
     """The error as a typed one if retrying may help; raises it at once otherwise."""
     if isinstance(error, Unavailable):
         return error
-    if error.code() in RETRYABLE or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if error.code() in RETRYABLE:
         return rpc_error(error)
     raise rpc_error(error) from error
 

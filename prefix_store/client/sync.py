@@ -107,23 +107,36 @@ class PublishResult:
 
 class FetchHandle:
     """A transfer in flight. `wait_layer(i)` blocks until layer i is in the outputs, so a
-    consumer can compute on layer i while later layers arrive; `wait()` for all."""
+    consumer can compute on layer i while later layers arrive; `wait()` for all.
+
+    When a wait fails (or `cancel` is called) every stream is cut and joined before control
+    returns: nothing writes into the outputs after that."""
 
     def __init__(self, assembly: Assembly, timeout_s: float) -> None:
         self.assembly = assembly
         self.timeout_s = timeout_s
         self._calls: list = []
+        self._lanes: list[futures.Future] = []
         self._lock = threading.Lock()
         self.cancelled = False
 
     def track(self, call) -> None:
+        """Register something with a `cancel()` (a gRPC call, a data-plane socket)."""
         with self._lock:
             self._calls.append(call)
             if self.cancelled:
                 call.cancel()
 
+    def add_lane(self, lane: futures.Future) -> None:
+        with self._lock:
+            self._lanes.append(lane)
+
     def wait_layer(self, layer: int) -> None:
-        self.assembly.wait_layer(layer, self.timeout_s)
+        try:
+            self.assembly.wait_layer(layer, self.timeout_s)
+        except BaseException:
+            self.cancel()
+            raise
 
     def wait(self) -> int:
         """Block until every layer arrived; returns the bytes received."""
@@ -132,10 +145,18 @@ class FetchHandle:
         return self.assembly.bytes
 
     def cancel(self) -> None:
+        """Cut every stream and wait until none can write into the outputs any more."""
         with self._lock:
             self.cancelled = True
+            self.assembly.close()
             for call in self._calls:
                 call.cancel()
+        while True:
+            with self._lock:
+                pending = [lane for lane in self._lanes if not lane.done()]
+            if not pending:
+                return
+            futures.wait(pending, timeout=self.timeout_s)
 
 
 class StoreClient:
@@ -394,8 +415,12 @@ class StoreClient:
         except NotFound as error:
             handle.assembly.fail(exhausted(error, failed, cause))
             return
+        if layer_from >= handle.assembly.layer_end or handle.cancelled:
+            return
         for shard_id, lane, part in lanes(groups, self.config.streams):
-            self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
+            handle.add_lane(
+                self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
+            )
 
     def _stream(self, handle: FetchHandle, shard_id, lane, chunks, layer_from, failed) -> None:
         """Fetch `chunks` from one shard (data plane when offered, else gRPC); on a failure
@@ -511,8 +536,7 @@ class StoreClient:
                 request, metadata=self._metadata, timeout=self.config.stream_timeout_s
             ):
                 parts.append(message.data)
-                if message.crc32c:
-                    crc = message.crc32c
+                crc = message.crc32c  # carried by the last message
             data = b"".join(parts)
             if crc is None or crc32c(data) != crc:
                 raise Unavailable("fetch_artifact: the artifact arrived corrupted")

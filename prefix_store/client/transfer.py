@@ -72,6 +72,8 @@ def receive(
                 track(Cancel(sock))
             sock.sendall(ticket)
             for step in range(layers):
+                if assembly.stopped:
+                    return
                 magic, layer, count, size = read_frame_header(sock)
                 if magic == ERROR:
                     raise in_band_error(sock, size)

@@ -119,6 +119,13 @@ def test_malformed_segments_and_orders_are_invalid_argument(store, metadata):
         ([header, header], "unexpected header"),
         ([header, pb.PutRequest(commit=pb.PutCommit(crc32c=[1]))], "segments are missing"),
     ]
+    garbage = b"\x0a\x03\xff\xff\xff"  # a PutRequest whose header field is not a PutHeader
+    with pytest.raises(grpc.RpcError) as error:
+        store_client = store.client(token)
+        store_client._bulk_put(store.endpoints[0], 0)(iter([garbage]), metadata=auth(token))
+    store_client.close()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "PutHeader: malformed" in error.value.details()
     for messages, message in cases:
         with pytest.raises(grpc.RpcError) as error:
             stub(store).Put(iter(messages), metadata=auth(token))
@@ -198,6 +205,9 @@ def test_tenants_are_isolated_and_shared_namespaces_are_for_members(store, metad
         shared = b.lookup(TOKENS, LAYOUT, namespace="docs")
         assert shared.tokens == 40
         assert torch.equal(fetch_into(b, shared)[0], kv[:, 0])
+        # Stats show a tenant its own data only.
+        assert sum(s.chunks for s in a.stats()) == 6 and sum(s.chunks for s in b.stats()) == 0
+        assert all(s.lookup_hits == 0 and s.memory_bytes == 0 for s in b.stats())
         # Carol is no member: the namespace does not exist for her.
         with pytest.raises(NotFound, match="namespace 'docs' not found"):
             c.lookup(TOKENS, LAYOUT, namespace="docs")

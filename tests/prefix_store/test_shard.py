@@ -7,17 +7,24 @@ import pytest
 
 from prefix_store.blob import combined_crc
 from prefix_store.config import ShardConfig
-from prefix_store.errors import DataLoss, InvalidArgument, NotFound, QuotaExceeded, StoreFull
+from prefix_store.errors import (
+    DataLoss,
+    InvalidArgument,
+    NotFound,
+    QuotaExceeded,
+    StoreFull,
+    Unavailable,
+)
 from prefix_store.namespace import Namespace
-from prefix_store.shard import ChunkRef, Shard
+from prefix_store.shard import Allowance, ChunkRef, Shard
 from tests.prefix_store.conftest import LAYOUT
 
 SPACE = Namespace("tenant:a", "", b"salt-a")
 CHUNK = LAYOUT.chunk_bytes(LAYOUT.chunk_tokens)  # 2 KiB per 16-token chunk here
 
 
-def no_quota(owner, nbytes):
-    pass
+def no_quota(owner):
+    return None  # unlimited
 
 
 def put(shard, tokens, seed=0, indices=None, space=SPACE, quota=no_quota):
@@ -196,16 +203,33 @@ def test_bad_segments_are_rejected_with_the_field_named(tmp_path, layer, chunk, 
 def test_quota_is_checked_before_data_and_at_commit(tmp_path):
     shard = make(tmp_path)
 
-    def quota(owner, nbytes):
-        used = shard.usage().get(owner, 0)
-        if used + nbytes > 3 * CHUNK:
-            raise QuotaExceeded(f"{owner}: {used} + {nbytes} > {3 * CHUNK}")
+    def quota(owner):
+        return Allowance(quota=3 * CHUNK, elsewhere=0)
 
     put(shard, list(range(32)), quota=quota)
-    with pytest.raises(QuotaExceeded):
-        put(shard, list(range(100, 132)), quota=quota)
+    with pytest.raises(QuotaExceeded, match=f"{2 * CHUNK} bytes stored"):
+        put(shard, list(range(100, 132)), quota=quota)  # refused before any data arrives
     assert shard.usage() == {"a": 2 * CHUNK}
     assert shard.lookup(SPACE, LAYOUT, list(range(100, 132))).cached_tokens == 0
+    put(shard, list(range(32)), quota=quota)  # already stored: costs nothing, allowed
+
+
+def test_a_chunk_being_removed_is_a_miss_and_cannot_be_re_put_until_it_is_gone(tmp_path):
+    shard = make(tmp_path)
+    tokens = list(range(16))
+    (keys, _), _ = put(shard, tokens)
+    stream = shard.fetch(SPACE, LAYOUT, [ChunkRef(keys[0], 16)], 0, 4, 64 * 1024)
+    next(stream)  # leased
+    assert shard.delete(SPACE, LAYOUT, tokens)[0] == 1  # removal waits for the lease
+    assert shard.lookup(SPACE, LAYOUT, tokens).cached_tokens == 0
+    with pytest.raises(NotFound):
+        fetch_all(shard, keys, (16,))
+    with pytest.raises(Unavailable, match="being removed"):
+        put(shard, tokens)
+    stream.close()  # the lease ends: the chunk is gone, and can be stored again
+    assert shard.usage() == {}
+    put(shard, tokens)
+    assert shard.lookup(SPACE, LAYOUT, tokens).cached_tokens == 16
 
 
 def test_fetch_of_a_missing_chunk_and_bad_layer_ranges(tmp_path):

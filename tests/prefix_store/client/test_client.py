@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -72,6 +73,23 @@ def test_iter_layers_yields_layers_in_order_as_they_complete(store, metadata):
             assert torch.equal(k[layer], kv[layer, 0])  # complete when yielded
             seen.append(layer)
         assert seen == list(range(LAYOUT.num_layers))
+
+
+def test_nothing_is_written_into_the_outputs_after_the_consumer_stops(store, metadata):
+    store.start()
+    token = metadata.add_tenant("alice")
+    tokens = list(range(4096))
+    kv = random_kv(BIG, 4096, seed=8)
+    with store.client(token, window_bytes=1 << 20, streams=2) as client:
+        prefix = client.publish_prefix(tokens, kv, BIG).prefix
+        k, v = empty(BIG, 4096)
+        layers = client.iter_layers(prefix, k, v)
+        assert next(layers) == 0
+        layers.close()  # stops the streams and waits for them
+        snapshot = k.clone()
+        time.sleep(0.5)
+        assert torch.equal(k.nan_to_num(7.0), snapshot.nan_to_num(7.0))
+        assert torch.isnan(k[-1]).any()  # the last layer never arrived
 
 
 def test_a_shard_lost_mid_fetch_is_replaced_by_a_replica_bitwise(store, metadata):
