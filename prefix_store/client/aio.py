@@ -20,12 +20,16 @@ from prefix_store.blob import crc32c
 from prefix_store.client.plan import (
     Assembly,
     CachedPrefix,
-    ChunkPlan,
     Topology,
+    artifact_id,
+    artifact_messages,
     as_layers,
+    cached_prefix,
     fetch_request,
     group_by_owner,
     lanes,
+    lookup_requests,
+    placement,
     plan_chunks,
     put_header,
     put_messages,
@@ -144,47 +148,21 @@ class AsyncStoreClient:
     async def lookup(
         self, tokens: Sequence[int], layout: KVLayout, namespace: str = ""
     ) -> CachedPrefix:
+        """The longest cached prefix of `tokens` in `namespace` (tokens == 0 on a miss)."""
         ids = validate_tokens(tokens)
         chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
         if not chunks:
             return CachedPrefix(namespace, layout, 0, ())
-        groups = group_by_owner(chunks, self.topology)
-        calls, members = [], []
-        for shard_id, group in groups.items():
-            end = max(c.start + c.tokens for c in group)
-            request = pb.LookupRequest(
-                namespace=namespace,
-                layout=layout.to_proto(pb),
-                token_ids=ids[:end],
-                chunk_indices=[c.index for c in group],
-            )
-            owners = [shard_id] + [
-                s for s in self.topology.owners(group[0].parent) if s != shard_id
-            ]
-            calls.append(self._unary(owners, "Lookup", request))
-            members.append(group)
-        answers = {}
-        for group, response in zip(members, await asyncio.gather(*calls), strict=True):
-            for chunk in group:
-                answers[chunk.index] = response
-        cached: list[ChunkPlan] = []
-        for chunk in chunks:
-            response = answers[chunk.index]
-            if chunk.index in set(response.present):
-                cached.append(chunk)
-                continue
-            if response.partial_tokens and response.partial_index == chunk.index:
-                cached.append(
-                    ChunkPlan(
-                        chunk.index,
-                        response.partial_key,
-                        chunk.parent,
-                        chunk.start,
-                        response.partial_tokens,
-                    )
-                )
-            break
-        return CachedPrefix(namespace, layout, sum(c.tokens for c in cached), tuple(cached))
+        planned = lookup_requests(ids, layout, namespace, chunks, self.topology)
+        responses = await asyncio.gather(
+            *(self._unary(owners, "Lookup", request) for owners, request, _ in planned)
+        )
+        answers = {
+            c.index: response
+            for (_, _, group), response in zip(planned, responses, strict=True)
+            for c in group
+        }
+        return cached_prefix(namespace, layout, chunks, answers)
 
     # ---- publish --------------------------------------------------------------------------
 
@@ -196,12 +174,9 @@ class AsyncStoreClient:
             raise InvalidArgument("tokens: at least one token is required")
         layers = as_layers(kv, layout, len(ids))
         chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        placement: dict[str, list[ChunkPlan]] = {}
-        for chunk in chunks:
-            for shard_id in self.topology.owners(chunk.parent):
-                placement.setdefault(shard_id, []).append(chunk)
+        streams = lanes(placement(chunks, self.topology), self.config.streams)
         jobs = []
-        for shard_id, lane, part in lanes(placement, self.config.streams):
+        for shard_id, lane, part in streams:
             put = self._put(shard_id, lane, namespace, layout, ids, part, layers)
             jobs.append((shard_id, part, put))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
@@ -375,30 +350,17 @@ class AsyncStoreClient:
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
 
-    def _artifact_id(self, prefix: CachedPrefix, spec: str) -> pb.ArtifactId:
-        return pb.ArtifactId(
-            namespace=prefix.namespace,
-            layout=prefix.layout.to_proto(pb),
-            prefix_key=prefix.key,
-            prefix_tokens=prefix.tokens,
-            compressor=spec,
-        )
-
     async def put_artifact(self, prefix: CachedPrefix, spec: str, data: bytes) -> int:
-        ident = self._artifact_id(prefix, spec)
+        ident = artifact_id(prefix, spec)
         step = self.config.message_bytes
-
-        def messages():
-            yield pb.PutArtifactRequest(id=ident)
-            for start in range(0, len(data), step):
-                yield pb.PutArtifactRequest(data=data[start : start + step])
-            yield pb.PutArtifactRequest(crc32c=crc32c(data))
 
         async def put(shard_id: str) -> int:
             async def call(target: str) -> int:
                 stub = self._stub(self._address(target))
                 response = await stub.PutArtifact(
-                    messages(), metadata=self._metadata, timeout=self.config.stream_timeout_s
+                    artifact_messages(ident, data, step),
+                    metadata=self._metadata,
+                    timeout=self.config.stream_timeout_s,
                 )
                 return response.stored_bytes
 
@@ -412,7 +374,7 @@ class AsyncStoreClient:
 
     async def fetch_artifact(self, prefix: CachedPrefix, spec: str) -> bytes | None:
         request = pb.FetchArtifactRequest(
-            id=self._artifact_id(prefix, spec), max_message_bytes=self.config.message_bytes
+            id=artifact_id(prefix, spec), max_message_bytes=self.config.message_bytes
         )
         for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
             stub = self._stub(self._address(shard_id))

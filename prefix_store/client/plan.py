@@ -430,3 +430,73 @@ def settle(chunks, outcomes, replication: int) -> Settled:
         error = (fatal or failures or [Unavailable("publish: a chunk found no shard")])[0]
     missing = sum(max(0, replication - n) for n in placed.values())
     return Settled(stored, done, missing, error)
+
+
+def lookup_requests(
+    ids: list[int], layout: KVLayout, namespace: str, chunks: Sequence[ChunkPlan], topology
+) -> list[tuple[list[str], pb.LookupRequest, list[ChunkPlan]]]:
+    """One Lookup per best live owner: (owners to try in order, request, its chunks)."""
+    out = []
+    for shard_id, group in group_by_owner(chunks, topology).items():
+        end = max(c.start + c.tokens for c in group)
+        request = pb.LookupRequest(
+            namespace=namespace,
+            layout=layout.to_proto(pb),
+            token_ids=ids[:end],
+            chunk_indices=[c.index for c in group],
+        )
+        others = [s for s in topology.owners(group[0].parent) if s != shard_id]
+        out.append(([shard_id, *others], request, group))
+    return out
+
+
+def cached_prefix(
+    namespace: str, layout: KVLayout, chunks: Sequence[ChunkPlan], answers: dict
+) -> CachedPrefix:
+    """The leading chunks the owners hold (`answers`: chunk index -> LookupResponse), plus
+    the longest stored partial chunk that starts the first one they lack."""
+    cached: list[ChunkPlan] = []
+    for chunk in chunks:
+        response = answers[chunk.index]
+        if chunk.index in set(response.present):
+            cached.append(chunk)
+            continue
+        if response.partial_tokens and response.partial_index == chunk.index:
+            cached.append(
+                ChunkPlan(
+                    chunk.index,
+                    response.partial_key,
+                    chunk.parent,
+                    chunk.start,
+                    response.partial_tokens,
+                )
+            )
+        break
+    return CachedPrefix(namespace, layout, sum(c.tokens for c in cached), tuple(cached))
+
+
+def placement(chunks: Sequence[ChunkPlan], topology) -> dict[str, list[ChunkPlan]]:
+    """Every owner of every chunk -> its chunks (what a publish sends where)."""
+    out: dict[str, list[ChunkPlan]] = {}
+    for chunk in chunks:
+        for shard_id in topology.owners(chunk.parent):
+            out.setdefault(shard_id, []).append(chunk)
+    return out
+
+
+def artifact_id(prefix: CachedPrefix, spec: str) -> pb.ArtifactId:
+    return pb.ArtifactId(
+        namespace=prefix.namespace,
+        layout=prefix.layout.to_proto(pb),
+        prefix_key=prefix.key,
+        prefix_tokens=prefix.tokens,
+        compressor=spec,
+    )
+
+
+def artifact_messages(ident: pb.ArtifactId, data: bytes, step: int) -> Iterator:
+    """PutArtifact's stream: the id, the data in `step`-byte messages, the checksum."""
+    yield pb.PutArtifactRequest(id=ident)
+    for start in range(0, len(data), step):
+        yield pb.PutArtifactRequest(data=data[start : start + step])
+    yield pb.PutArtifactRequest(crc32c=crc32c(data))

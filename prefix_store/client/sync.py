@@ -24,12 +24,16 @@ from prefix_store.blob import crc32c
 from prefix_store.client.plan import (
     Assembly,
     CachedPrefix,
-    ChunkPlan,
     Topology,
+    artifact_id,
+    artifact_messages,
     as_layers,
+    cached_prefix,
     fetch_request,
     group_by_owner,
     lanes,
+    lookup_requests,
+    placement,
     plan_chunks,
     put_header,
     put_messages,
@@ -250,48 +254,14 @@ class StoreClient:
         chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
         if not chunks:
             return CachedPrefix(namespace, layout, 0, ())
-        answers = self._lookup_all(ids, layout, namespace, chunks)
-        cached: list[ChunkPlan] = []
-        for chunk in chunks:
-            response = answers[chunk.index]
-            if chunk.index in set(response.present):
-                cached.append(chunk)
-                continue
-            if response.partial_tokens and response.partial_index == chunk.index:
-                partial = ChunkPlan(
-                    chunk.index,
-                    response.partial_key,
-                    chunk.parent,
-                    chunk.start,
-                    response.partial_tokens,
-                )
-                cached.append(partial)
-            break
-        tokens_cached = sum(c.tokens for c in cached)
-        return CachedPrefix(namespace, layout, tokens_cached, tuple(cached))
-
-    def _lookup_all(self, ids, layout, namespace, chunks) -> dict[int, object]:
-        """Each chunk index -> the Lookup answer of its best live owner."""
-        groups = group_by_owner(chunks, self.topology)
-        jobs = {}
-        for shard_id, group in groups.items():
-            end = max(c.start + c.tokens for c in group)
-            request = pb.LookupRequest(
-                namespace=namespace,
-                layout=layout.to_proto(pb),
-                token_ids=ids[:end],
-                chunk_indices=[c.index for c in group],
+        jobs = {
+            self._pool.submit(self._unary, owners, "Lookup", request): group
+            for owners, request, group in lookup_requests(
+                ids, layout, namespace, chunks, self.topology
             )
-            owners = [shard_id] + [
-                s for s in self.topology.owners(group[0].parent) if s != shard_id
-            ]
-            jobs[self._pool.submit(self._unary, owners, "Lookup", request)] = group
-        answers = {}
-        for job, group in jobs.items():
-            response = job.result()
-            for chunk in group:
-                answers[chunk.index] = response
-        return answers
+        }
+        answers = {c.index: job.result() for job, group in jobs.items() for c in group}
+        return cached_prefix(namespace, layout, chunks, answers)
 
     # ---- publish --------------------------------------------------------------------------
 
@@ -306,12 +276,9 @@ class StoreClient:
             raise InvalidArgument("tokens: at least one token is required")
         layers = as_layers(kv, layout, len(ids))
         chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        placement: dict[str, list[ChunkPlan]] = {}
-        for chunk in chunks:
-            for shard_id in self.topology.owners(chunk.parent):
-                placement.setdefault(shard_id, []).append(chunk)
+        streams = lanes(placement(chunks, self.topology), self.config.streams)
         jobs = {}
-        for shard_id, lane, part in lanes(placement, self.config.streams):
+        for shard_id, lane, part in streams:
             job = self._pool.submit(self._put, shard_id, lane, namespace, layout, ids, part, layers)
             jobs[job] = (shard_id, part)
         return self._publish_result(jobs, chunks, namespace, layout)
@@ -475,32 +442,19 @@ class StoreClient:
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
 
-    def _artifact_id(self, prefix: CachedPrefix, spec: str) -> pb.ArtifactId:
-        return pb.ArtifactId(
-            namespace=prefix.namespace,
-            layout=prefix.layout.to_proto(pb),
-            prefix_key=prefix.key,
-            prefix_tokens=prefix.tokens,
-            compressor=spec,
-        )
-
     def put_artifact(self, prefix: CachedPrefix, spec: str, data: bytes) -> int:
         """Store a compressed artifact of a cached prefix on all its owners."""
-        ident = self._artifact_id(prefix, spec)
+        ident = artifact_id(prefix, spec)
         owners = self.topology.owners(artifact_placement(prefix.key, spec))
         step = self.config.message_bytes
-
-        def messages():
-            yield pb.PutArtifactRequest(id=ident)
-            for start in range(0, len(data), step):
-                yield pb.PutArtifactRequest(data=data[start : start + step])
-            yield pb.PutArtifactRequest(crc32c=crc32c(data))
 
         def put(shard_id: str) -> int:
             def call(target: str) -> int:
                 stub = self._stub(self._address(target))
                 return stub.PutArtifact(
-                    messages(), metadata=self._metadata, timeout=self.config.stream_timeout_s
+                    artifact_messages(ident, data, step),
+                    metadata=self._metadata,
+                    timeout=self.config.stream_timeout_s,
                 ).stored_bytes
 
             return retrying(self.config, [shard_id], call)
@@ -518,7 +472,7 @@ class StoreClient:
 
     def fetch_artifact(self, prefix: CachedPrefix, spec: str) -> bytes | None:
         """The artifact's bytes, or None when no owner holds it."""
-        ident = self._artifact_id(prefix, spec)
+        ident = artifact_id(prefix, spec)
         request = pb.FetchArtifactRequest(id=ident, max_message_bytes=self.config.message_bytes)
         for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
             try:
