@@ -114,6 +114,8 @@ class Shard:
         self._lock = threading.RLock()
         self._leases: Counter = Counter()
         self._doomed: set[BlobId] = set()
+        # Puts that committed each blob since this process started (see delete_keys).
+        self._claims: Counter = Counter()
         self.memory = MemoryTier(config.memory_bytes, self._is_leased)
         disk_dir = Path(config.disk_dir) if config.disk_dir else Path("/nonexistent")
         self.disk = DiskTier(disk_dir, config.disk_bytes, self._is_leased)
@@ -150,6 +152,7 @@ class Shard:
             self._partials[(blob.namespace, blob.meta["parent"])].add(blob.id[2])
 
     def _gone(self, blob: Blob) -> None:
+        self._claims.pop(blob.id, None)
         self.stats.usage[blob.owner] -= blob.nbytes
         if self.stats.usage[blob.owner] <= 0:
             del self.stats.usage[blob.owner]
@@ -285,6 +288,8 @@ class Shard:
                 )
             for blob in new:
                 self._place(blob)
+            for blob in blobs:
+                self._claims[blob.id] += 1
         return Committed([b.id[2] for b in blobs], new_bytes, [b.id[2] for b in new])
 
     def _refuse_doomed(self, blobs: list[Blob]) -> None:
@@ -471,11 +476,17 @@ class Shard:
         return chunks, artifacts, nbytes
 
     def delete_keys(self, namespace: Namespace, keys: Sequence[int]):
-        """Drop exactly these chunks (undoing a put). Returns (chunks, 0, bytes)."""
+        """Undo a put of these chunks: each loses that put's claim and is dropped only when
+        no other put committed it meanwhile (a concurrent publish that found it present
+        keeps it). Returns (chunks dropped, 0, bytes)."""
         chunks = nbytes = 0
         with self._lock:
             for key in set(keys):
-                blob = self._drop(chunk_id(namespace, key))
+                blob_id = chunk_id(namespace, key)
+                self._claims[blob_id] -= 1
+                if self._claims[blob_id] > 0:
+                    continue
+                blob = self._drop(blob_id)
                 if blob is not None:
                     chunks, nbytes = chunks + 1, nbytes + blob.nbytes
         return chunks, 0, nbytes

@@ -232,6 +232,19 @@ def test_a_chunk_being_removed_is_a_miss_and_cannot_be_re_put_until_it_is_gone(t
     assert shard.lookup(SPACE, LAYOUT, tokens).cached_tokens == 16
 
 
+def test_undoing_a_put_keeps_chunks_that_another_put_committed_meanwhile(tmp_path):
+    shard = make(tmp_path)
+    shared, own = list(range(16)), list(range(16)) + list(range(500, 516))
+    (keys_a, _), _ = put(shard, shared)  # publish A stores chunk 0
+    put(shard, own)  # publish B commits chunk 0 (present) and its own chunk 1
+    assert shard.delete_keys(SPACE, keys_a)[0] == 0  # A fails elsewhere and undoes
+    assert shard.lookup(SPACE, LAYOUT, own).cached_tokens == 32  # B's prefix is whole
+    lone = list(range(900, 916))
+    (keys_c, _), _ = put(shard, lone)
+    assert shard.delete_keys(SPACE, keys_c)[0] == 1  # nobody else relied on it
+    assert shard.lookup(SPACE, LAYOUT, lone).cached_tokens == 0
+
+
 def test_fetch_of_a_missing_chunk_and_bad_layer_ranges(tmp_path):
     shard = make(tmp_path)
     with pytest.raises(NotFound, match=r"chunks\[0\]"):
