@@ -261,6 +261,13 @@ def fetch_request(
     )
 
 
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each head's token rows of a [layers, kv_heads, tokens, head_dim] host tensor
+    are one contiguous block (true for slices of a larger staging buffer too), so the data
+    plane can receive into them."""
+    return t.device.type == "cpu" and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
 def runs(chunks: Sequence[ChunkPlan]) -> list[tuple[int, int]]:
     """Token ranges covered by maximal runs of consecutive chunks, in order."""
     out: list[list[int]] = []
@@ -294,7 +301,7 @@ class Assembly:
                     f"[>={n}, {layout.num_kv_heads}, >={prefix.tokens}, {layout.head_dim}]"
                 )
         self.prefix, self.k_out, self.v_out = prefix, k_out, v_out
-        self.direct = all(t.is_contiguous() and t.device.type == "cpu" for t in (k_out, v_out))
+        self.direct = all(rows_contiguous(t) for t in (k_out, v_out))
         """Whether received bytes can land in the outputs directly (`views`)."""
         self.layer_start, self.layer_end = layer_start, layer_end
         self._done: set[tuple[int, int]] = set()
