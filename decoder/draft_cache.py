@@ -20,8 +20,9 @@ from decoder.kv_cache import KVCache
 class DraftLayer:
     """One layer: compressed prefix slots, then tail slots, positions per kv head."""
 
-    def __init__(self, prefix: CompressedLayer, tail_capacity: int, kv_heads: int,
-                 head_dim: int) -> None:
+    def __init__(
+        self, prefix: CompressedLayer, tail_capacity: int, kv_heads: int, head_dim: int
+    ) -> None:
         self.prefix = prefix
         self.resident = not prefix.quantized
         self.base = prefix.kept if self.resident else 0
@@ -57,8 +58,11 @@ class DraftLayer:
         if self.resident:
             return k, v, pos
         pk, pv = self.prefix.materialize()
-        return (torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1),
-                torch.cat([self.prefix.positions.long(), pos], dim=1))
+        return (
+            torch.cat([pk, k], dim=1),
+            torch.cat([pv, v], dim=1),
+            torch.cat([self.prefix.positions.long(), pos], dim=1),
+        )
 
     def truncate(self, tail_length: int) -> None:
         self.tail_length = tail_length
@@ -75,11 +79,13 @@ class DraftLayer:
 class DraftCache:
     """A request's draft KV for every layer (a `SeqCache` for fast-mode forwards)."""
 
-    def __init__(self, compressed: CompressedKV, tail_capacity: int, kv_heads: int,
-                 head_dim: int) -> None:
+    def __init__(
+        self, compressed: CompressedKV, tail_capacity: int, kv_heads: int, head_dim: int
+    ) -> None:
         self.prefix_length = compressed.prefix_length
-        self.layers = [DraftLayer(layer, tail_capacity, kv_heads, head_dim)
-                       for layer in compressed.layers]
+        self.layers = [
+            DraftLayer(layer, tail_capacity, kv_heads, head_dim) for layer in compressed.layers
+        ]
 
     @property
     def tail_length(self) -> int:

@@ -62,8 +62,9 @@ class Prefix:
 
     def __post_init__(self) -> None:
         if self.source.length != len(self.tokens):
-            raise ValueError(f"prefix has {len(self.tokens)} tokens but its KV source holds "
-                             f"{self.source.length}")
+            raise ValueError(
+                f"prefix has {len(self.tokens)} tokens but its KV source holds {self.source.length}"
+            )
 
 
 @dataclass
@@ -120,8 +121,9 @@ def prefill_prefix(runner: ModelRunner, tokens: Sequence[int], observe: int = 12
     return Prefix(tokens, LocalKVSource(cache, len(tokens)), observed)
 
 
-def split_prompt(runner: ModelRunner, prompt: Sequence[int], observe: int = 128
-                 ) -> tuple[Prefix, list[int]]:
+def split_prompt(
+    runner: ModelRunner, prompt: Sequence[int], observe: int = 128
+) -> tuple[Prefix, list[int]]:
     """An in-process prompt: everything but its last token becomes the cached prefix."""
     if not prompt:
         raise ValueError("every prompt needs at least one token")
@@ -142,8 +144,9 @@ class _Active:
     drafts: list[int] = field(default_factory=list)
     horizon: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
-    stats: dict[str, float] = field(default_factory=lambda: {
-        "verifications": 0, "drafted": 0, "accepted": 0, "draft_steps": 0})
+    stats: dict[str, float] = field(
+        default_factory=lambda: {"verifications": 0, "drafted": 0, "accepted": 0, "draft_steps": 0}
+    )
     stop_reason: str = ""
 
     @property
@@ -176,13 +179,18 @@ class _Active:
 class Engine:
     """Decodes batches of requests with one runner; owns no request between calls."""
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None,
-                 eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.runner = runner
         self.config = config or EngineConfig()
         self.eos = frozenset(eos_token_ids)
         self.pipeline: CompressorPipeline | None = (
-            None if self.config.mode == "full" else parse_compressor(self.config.compressor))
+            None if self.config.mode == "full" else parse_compressor(self.config.compressor)
+        )
         self.policy = HorizonPolicy(self.config.horizon, self.config.max_horizon)
         self.costs = CostModel()
         self.staging = StagingArea(runner.config, runner.rc.key_chunk)
@@ -200,7 +208,8 @@ class Engine:
         if spec not in prefix.artifacts:
             c = self.runner.config
             prefix.artifacts[spec] = self.pipeline.compress(
-                prefix.source, prefix.observed, c.num_layers, c.num_kv_heads, c.head_dim)
+                prefix.source, prefix.observed, c.num_layers, c.num_kv_heads, c.head_dim
+            )
         return prefix.artifacts[spec]
 
     def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
@@ -217,8 +226,11 @@ class Engine:
         self._prefill_suffixes(active)
         prefill_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        decode = {"full": self._decode_full, "lossy": self._decode_lossy,
-                  "vericache": self._decode_vericache}[self.config.mode]
+        decode = {
+            "full": self._decode_full,
+            "lossy": self._decode_lossy,
+            "vericache": self._decode_vericache,
+        }[self.config.mode]
         decode(active)
         decode_s = time.perf_counter() - t2
         return [self._result(a, compress_s, prefill_s, decode_s) for a in active]
@@ -236,8 +248,7 @@ class Engine:
         return active
 
     def _prefill_suffixes(self, active: list[_Active]) -> None:
-        seqs = [SeqInput.extend(self._staged(a, len(a.req.suffix)), a.req.suffix)
-                for a in active]
+        seqs = [SeqInput.extend(self._staged(a, len(a.req.suffix)), a.req.suffix) for a in active]
         logits = self.runner.forward(seqs, "exact")
         for a, lg in zip(active, logits, strict=True):
             a.emit([a.sampler.choose(lg[-1], 0)])
@@ -272,8 +283,7 @@ class Engine:
         while live := [a for a in active if not a.done]:
             seqs = [SeqInput.extend(a.draft, [a.last]) for a in live]
             self.timers["steps"] += 1
-            for a, lg in zip(live, self.runner.forward(seqs, self.config.draft_mode),
-                             strict=True):
+            for a, lg in zip(live, self.runner.forward(seqs, self.config.draft_mode), strict=True):
                 a.emit([a.sampler.choose(lg[-1], len(a.out))])
 
     # -- VeriCache --------------------------------------------------------------------------
@@ -306,8 +316,7 @@ class Engine:
 
     def _draft_step(self, drafting: list[_Active]) -> None:
         t0 = time.perf_counter()
-        seqs = [SeqInput.extend(a.draft, [a.drafts[-1] if a.drafts else a.last])
-                for a in drafting]
+        seqs = [SeqInput.extend(a.draft, [a.drafts[-1] if a.drafts else a.last]) for a in drafting]
         logits = self.runner.forward(seqs, self.config.draft_mode)
         for a, lg in zip(drafting, logits, strict=True):
             a.drafts.append(a.sampler.choose(lg[-1], len(a.out) + len(a.drafts)))
@@ -320,8 +329,10 @@ class Engine:
     def _verify(self, live: list[_Active]) -> None:
         t0 = time.perf_counter()
         kept = [len(a.tail) for a in live]
-        seqs = [SeqInput.extend(self._staged(a, len(a.drafts) + 1), [a.last, *a.drafts], "all")
-                for a in live]
+        seqs = [
+            SeqInput.extend(self._staged(a, len(a.drafts) + 1), [a.last, *a.drafts], "all")
+            for a in live
+        ]
         logits = self.runner.forward(seqs, "exact")
         seconds = time.perf_counter() - t0
         self.costs.record_verification(len(seqs), sum(s.tokens.numel() for s in seqs), seconds)
@@ -343,8 +354,9 @@ class Engine:
 
     # -- results ----------------------------------------------------------------------------
 
-    def _result(self, a: _Active, compress_s: float, prefill_s: float,
-                decode_s: float) -> GenerationResult:
+    def _result(
+        self, a: _Active, compress_s: float, prefill_s: float, decode_s: float
+    ) -> GenerationResult:
         s = a.stats
         total = compress_s + prefill_s + decode_s
         stats: dict[str, float | int | str] = {
@@ -363,13 +375,18 @@ class Engine:
             stats["seed"] = a.sampler.params.seed
         if a.draft is not None:
             compressed = self.compressed(a.req.prefix)
-            stats.update(compressor=compressed.spec, compressed_bytes=compressed.nbytes,
-                         compression_ratio=round(compressed.ratio, 3))
+            stats.update(
+                compressor=compressed.spec,
+                compressed_bytes=compressed.nbytes,
+                compression_ratio=round(compressed.ratio, 3),
+            )
         if self.config.mode == "vericache":
             v = max(1, s["verifications"])
             stats.update(
-                verifications=int(s["verifications"]), drafted=int(s["drafted"]),
-                accepted=int(s["accepted"]), draft_steps=int(s["draft_steps"]),
+                verifications=int(s["verifications"]),
+                drafted=int(s["drafted"]),
+                accepted=int(s["accepted"]),
+                draft_steps=int(s["draft_steps"]),
                 accepted_per_verification=round(s["accepted"] / v, 3),
                 tokens_per_verification=round((len(a.out) - 1) / v, 3),
                 fetch_s=round(self.staging.fetch_s, 4),
@@ -377,5 +394,4 @@ class Engine:
                 verify_s=round(self.timers["verify_s"], 4),
             )
         stats["batch_steps"] = int(self.timers["steps"])
-        return GenerationResult(tokens=a.out, stop_reason=a.stop_reason or "length",
-                                stats=stats)
+        return GenerationResult(tokens=a.out, stop_reason=a.stop_reason or "length", stats=stats)

@@ -49,8 +49,9 @@ def generate_full(
     sampler = Sampler(sampling or SamplingParams())
     caches = [runner.new_cache(capacity=len(p) + max_new_tokens) for p in prompts]
     t0 = time.perf_counter()
-    logits = runner.forward([SeqInput.extend(c, p) for c, p in zip(caches, prompts, strict=True)],
-                            mode)
+    logits = runner.forward(
+        [SeqInput.extend(c, p) for c, p in zip(caches, prompts, strict=True)], mode
+    )
     prefill_s = time.perf_counter() - t0
     outputs: list[list[int]] = [[sampler.choose(lg[-1], 0)] for lg in logits]
     live = [i for i, out in enumerate(outputs) if not _finished(out, eos, max_new_tokens)]
@@ -63,8 +64,10 @@ def generate_full(
             outputs[i].append(sampler.choose(lg[-1], len(outputs[i])))
         live = [i for i in live if not _finished(outputs[i], eos, max_new_tokens)]
     decode_s = time.perf_counter() - t1
-    results = [_result(out, eos, prompt, prefill_s, decode_s, steps)
-               for out, prompt in zip(outputs, prompts, strict=True)]
+    results = [
+        _result(out, eos, prompt, prefill_s, decode_s, steps)
+        for out, prompt in zip(outputs, prompts, strict=True)
+    ]
     if not sampler.params.greedy:
         for r in results:
             r.stats["seed"] = sampler.params.seed

@@ -36,8 +36,9 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.packed = _use_onednn()
-        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                       if self.packed else weight)
+        self.weight = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, in] -> [N, out]."""
@@ -47,8 +48,9 @@ class Linear:
 
 
 def _use_onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,7 +97,7 @@ class RopeTable:
 
 def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
     return inv_freq
@@ -144,8 +146,9 @@ class AttentionPlan:
     key_chunk: int
 
     @classmethod
-    def build(cls, q_pos: torch.Tensor, group: int, *, key_chunk: int, row_tile: int,
-              query_block: int) -> AttentionPlan:
+    def build(
+        cls, q_pos: torch.Tensor, group: int, *, key_chunk: int, row_tile: int, query_block: int
+    ) -> AttentionPlan:
         """q_pos: [T] absolute positions of the queries; `group` query heads per kv head."""
         blocks = []
         for start in range(0, q_pos.shape[0], query_block):
@@ -157,8 +160,17 @@ class AttentionPlan:
             first = int(q_pos[start:end].min()) // key_chunk
             keys = torch.arange(first * key_chunk, n_chunks * key_chunk)
             hidden = (keys[None, :] > row_pos[:, None]).view(-1, n_chunks - first, key_chunk)
-            blocks.append(_QueryBlock(start, end, rows, hidden.transpose(0, 1).contiguous(),
-                                      first, row_pos // key_chunk, n_chunks))
+            blocks.append(
+                _QueryBlock(
+                    start,
+                    end,
+                    rows,
+                    hidden.transpose(0, 1).contiguous(),
+                    first,
+                    row_pos // key_chunk,
+                    n_chunks,
+                )
+            )
         return cls(tuple(blocks), key_chunk)
 
 
@@ -177,8 +189,8 @@ def exact_attention(
     """
     out = torch.empty_like(q)
     for block in plan.blocks:
-        out[block.start:block.end] = _exact_attention_block(
-            q[block.start:block.end], keys, values, block, plan.key_chunk
+        out[block.start : block.end] = _exact_attention_block(
+            q[block.start : block.end], keys, values, block, plan.key_chunk
         )
     return out
 
@@ -197,7 +209,7 @@ def _exact_attention_block(q, keys, values, block: _QueryBlock, key_chunk: int):
     chunked_keys = keys[:, :n_keys].view(kv_heads, n_chunks, key_chunk, dim)
     scores = torch.matmul(qr.unsqueeze(1), chunked_keys.transpose(2, 3))
     # Only chunks that reach past some row's own position need the causal mask.
-    scores[:, block.first_masked:].masked_fill_(block.hidden, float("-inf"))
+    scores[:, block.first_masked :].masked_fill_(block.hidden, float("-inf"))
     chunk_max = scores.amax(-1)  # [KVH, n_chunks, padded]
     safe_max = chunk_max.masked_fill(chunk_max == float("-inf"), 0.0)
     probs = scores.sub_(safe_max.unsqueeze(-1)).exp_()  # masked keys -> exactly 0

@@ -42,9 +42,9 @@ class LayerKV:
         t = positions.shape[0]
         self._reserve(self.length + t)
         end = self.length + t
-        self.k[:, self.length:end] = k
-        self.v[:, self.length:end] = v
-        self.positions[self.length:end] = positions
+        self.k[:, self.length : end] = k
+        self.v[:, self.length : end] = v
+        self.positions[self.length : end] = positions
         if self.dense and t:
             self.dense = int(positions[0]) == self.length and int(positions[-1]) == end - 1
         self.length = end
@@ -53,8 +53,8 @@ class LayerKV:
         """Drop every slot from `length` on (rollback). Dropped slots are zeroed."""
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length {length} outside [0, {self.length}]")
-        self.k[:, length:self.length] = 0
-        self.v[:, length:self.length] = 0
+        self.k[:, length : self.length] = 0
+        self.v[:, length : self.length] = 0
         self.length = length
         if length == 0:
             self.dense = True

@@ -67,8 +67,9 @@ class LocalKVSource:
         v_out.copy_(layer.v[:, : self._length])
 
 
-def assemble_layer(source: FullKVSource, tail: KVCache, index: int, tail_length: int,
-                   out: LayerKV) -> float:
+def assemble_layer(
+    source: FullKVSource, tail: KVCache, index: int, tail_length: int, out: LayerKV
+) -> float:
     """Write layer `index` of prefix + tail (its first `tail_length` tokens) into `out` as a
     dense layer from position 0; returns the seconds spent reading the source."""
     p, t = source.length, tail_length
@@ -76,8 +77,8 @@ def assemble_layer(source: FullKVSource, tail: KVCache, index: int, tail_length:
     source.read_layer(index, out.k[:, :p], out.v[:, :p])
     fetch_s = time.perf_counter() - t0
     layer = tail.layers[index]
-    out.k[:, p:p + t] = layer.k[:, :t]
-    out.v[:, p:p + t] = layer.v[:, :t]
+    out.k[:, p : p + t] = layer.k[:, :t]
+    out.v[:, p : p + t] = layer.v[:, :t]
     out.positions[: p + t] = torch.arange(p + t)
     out.length, out.dense = p + t, True
     return fetch_s
@@ -107,8 +108,9 @@ class StagingArea:
         buf = self._buffer
         if buf is None or buf.capacity < capacity:
             c = self._config
-            buf = LayerKV(c.num_kv_heads, c.head_dim, self._granule,
-                          ceil_to(capacity, self._granule))
+            buf = LayerKV(
+                c.num_kv_heads, c.head_dim, self._granule, ceil_to(capacity, self._granule)
+            )
             self._buffer = buf
         buf.length, buf.dense = 0, True
         return buf
@@ -122,8 +124,9 @@ class StagedCache:
     to keep only what was accepted.
     """
 
-    def __init__(self, source: FullKVSource, tail: KVCache, staging: StagingArea,
-                 extra: int) -> None:
+    def __init__(
+        self, source: FullKVSource, tail: KVCache, staging: StagingArea, extra: int
+    ) -> None:
         """extra: how many new tokens the pass appends (sizes the staging buffer)."""
         self.source = source
         self.tail = tail
@@ -151,6 +154,9 @@ class StagedCache:
     def release(self, index: int) -> None:
         buf, start = self._staged, self._start
         assert buf is not None, "release without layer"
-        self.tail.layers[index].append(buf.k[:, start:buf.length], buf.v[:, start:buf.length],
-                                       buf.positions[start:buf.length])
+        self.tail.layers[index].append(
+            buf.k[:, start : buf.length],
+            buf.v[:, start : buf.length],
+            buf.positions[start : buf.length],
+        )
         self._staged = None

@@ -79,8 +79,9 @@ def default_cache_dir() -> Path:
     return Path(base) / "vericache"
 
 
-def load_model(path: str | os.PathLike | None = None, *, cache_dir: Path | None = None
-               ) -> LoadedModel:
+def load_model(
+    path: str | os.PathLike | None = None, *, cache_dir: Path | None = None
+) -> LoadedModel:
     """Load the built-in model (`path` None or `BUILTIN_MODEL`) or a local HF folder."""
     if path is None or str(path) == BUILTIN_MODEL:
         folder = builtin_model_dir(cache_dir or default_cache_dir())
@@ -129,8 +130,9 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         )
         hf_config = model.config.to_dict()
         hf_config.pop("quantization_config", None)
-        state = {k: v.detach().to(torch.float32).contiguous()
-                 for k, v in model.state_dict().items()}
+        state = {
+            k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()
+        }
         if hf_config.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -174,8 +176,14 @@ def _load_hf_folder(folder: Path, *, name: str) -> LoadedModel:
     if not (folder / "tokenizer.json").exists():
         raise ModelLoadError(f"{folder}: no tokenizer.json")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return LoadedModel(name=name, path=folder, config=config, weights=weights,
-                       tokenizer=tokenizer, fingerprint=_fingerprint(hf_config, files))
+    return LoadedModel(
+        name=name,
+        path=folder,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        fingerprint=_fingerprint(hf_config, files),
+    )
 
 
 def _fingerprint(hf_config: dict, files: list[Path]) -> str:

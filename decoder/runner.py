@@ -54,8 +54,13 @@ class SeqInput:
     """Filled by `forward` when `observe > 0`: one [observe, H, D] tensor per layer."""
 
     @classmethod
-    def extend(cls, cache: SeqCache, tokens: Sequence[int] | torch.Tensor,
-               logits: Logits = "last", observe: int = 0) -> SeqInput:
+    def extend(
+        cls,
+        cache: SeqCache,
+        tokens: Sequence[int] | torch.Tensor,
+        logits: Logits = "last",
+        observe: int = 0,
+    ) -> SeqInput:
         """Tokens that continue `cache` at the next consecutive positions."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         start = cache.next_position
@@ -65,8 +70,9 @@ class SeqInput:
 class ModelRunner:
     """Runs the model; owns no sequence state (caches belong to the caller)."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights,
-                 runner_config: RunnerConfig | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, runner_config: RunnerConfig | None = None
+    ) -> None:
         self.config = config
         self.weights = weights
         self.rc = runner_config or RunnerConfig()
@@ -126,10 +132,13 @@ class ModelRunner:
         self._exact_checked = True
 
     def _plan(self, seq: SeqInput) -> AttentionPlan:
-        return AttentionPlan.build(seq.positions, self.config.group_size,
-                                   key_chunk=self.rc.key_chunk,
-                                   row_tile=self.rc.attention_row_tile,
-                                   query_block=self.rc.query_block)
+        return AttentionPlan.build(
+            seq.positions,
+            self.config.group_size,
+            key_chunk=self.rc.key_chunk,
+            row_tile=self.rc.attention_row_tile,
+            query_block=self.rc.query_block,
+        )
 
     def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, plans):
         c = self.config
@@ -137,21 +146,22 @@ class ModelRunner:
         qkv = w.wqkv(h)  # [rows, (H + 2*KVH) * D]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim)
-        k = qkv[:, q_dim:q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim)
-        v = qkv[:, q_dim + kv_dim:].view(-1, c.num_kv_heads, c.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_dim + kv_dim :].view(-1, c.num_kv_heads, c.head_dim)
         q = apply_rope(q, cos, sin)  # [rows, H, D]
         k = apply_rope(k, cos, sin)  # [rows, KVH, D]
         for seq, (_, end) in zip(seqs, spans, strict=True):
             if seq.observe:
-                seq.observed.append(q[max(0, end - seq.observe):end].clone())
+                seq.observed.append(q[max(0, end - seq.observe) : end].clone())
         exact = plans[0] is not None
         if exact:
             q = q * self.scale
         out = torch.zeros_like(q)
         for seq, (start, end), plan in zip(seqs, spans, plans, strict=True):
             layer_kv = seq.cache.layer(index)
-            layer_kv.append(k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                            seq.positions)
+            layer_kv.append(
+                k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), seq.positions
+            )
             out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, plan)
             seq.cache.release(index)
         return w.wo(out.view(out.shape[0], -1))
@@ -167,8 +177,10 @@ class ModelRunner:
         return w.w_down(swiglu(w.w_gate_up(h)))
 
     def _logits(self, x, seqs, spans, exact: bool) -> list[torch.Tensor | None]:
-        picks = [_picked_rows(seq.logits, start, end)
-                 for seq, (start, end) in zip(seqs, spans, strict=True)]
+        picks = [
+            _picked_rows(seq.logits, start, end)
+            for seq, (start, end) in zip(seqs, spans, strict=True)
+        ]
         rows = torch.cat(picks)
         if rows.numel() == 0:
             return [None] * len(seqs)
@@ -180,7 +192,7 @@ class ModelRunner:
         out: list[torch.Tensor | None] = []
         offset = 0
         for seq, pick in zip(seqs, picks, strict=True):
-            out.append(None if seq.logits == "none" else logits[offset:offset + pick.numel()])
+            out.append(None if seq.logits == "none" else logits[offset : offset + pick.numel()])
             offset += pick.numel()
         return out
 
@@ -200,10 +212,15 @@ class ModelRunner:
             start = s.cache.next_position
             if int(s.positions[0]) < start or (t > 1 and bool((s.positions.diff() <= 0).any())):
                 raise ValueError(f"seqs[{i}]: positions must increase and start at >= {start}")
-            if exact and not (s.cache.dense and int(s.positions[0]) == start
-                              and int(s.positions[-1]) == start + t - 1):
-                raise ValueError(f"seqs[{i}]: exact mode needs a dense cache and consecutive "
-                                 "positions (compressed caches are for fast mode)")
+            if exact and not (
+                s.cache.dense
+                and int(s.positions[0]) == start
+                and int(s.positions[-1]) == start + t - 1
+            ):
+                raise ValueError(
+                    f"seqs[{i}]: exact mode needs a dense cache and consecutive "
+                    "positions (compressed caches are for fast mode)"
+                )
             spans.append((offset, offset + t))
             offset += t
         return spans

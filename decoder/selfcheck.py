@@ -24,8 +24,13 @@ _RESULTS: dict[tuple, str | None] = {}
 
 def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
     """None when exact mode holds here, else a one-line description of the first violation."""
-    key = (config, replace(rc, self_check=False), torch.get_num_threads(), torch.__version__,
-           torch.backends.cpu.get_cpu_capability())
+    key = (
+        config,
+        replace(rc, self_check=False),
+        torch.get_num_threads(),
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+    )
     if key not in _RESULTS:
         _RESULTS[key] = _run_check(config, weights, rc)
     return _RESULTS[key]
@@ -35,8 +40,9 @@ def _run_check(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> 
     from decoder.runner import ModelRunner, SeqInput
 
     layers = min(2, config.num_layers)
-    runner = ModelRunner(replace(config, num_layers=layers), weights.truncated(layers),
-                         replace(rc, self_check=False))
+    runner = ModelRunner(
+        replace(config, num_layers=layers), weights.truncated(layers), replace(rc, self_check=False)
+    )
     g = torch.Generator().manual_seed(20260517)
     total = rc.key_chunk + 44
     tokens = torch.randint(0, config.vocab_size, (total,), generator=g)
@@ -47,26 +53,36 @@ def _run_check(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> 
 
     pieces = runner.new_cache()
     a = rc.key_chunk - 6  # the 9-token chunk below crosses the key-chunk boundary
-    got = [runner.forward([SeqInput.extend(pieces, tokens[s:e], "all")])[0]
-           for s, e in [(0, a), (a, a + 9), (a + 9, a + 10), (a + 10, a + 11)]]
+    got = [
+        runner.forward([SeqInput.extend(pieces, tokens[s:e], "all")])[0]
+        for s, e in [(0, a), (a, a + 9), (a + 9, a + 10), (a + 10, a + 11)]
+    ]
     beside = runner.new_cache()
-    batched = runner.forward([SeqInput.extend(beside, other, "all"),
-                              SeqInput.extend(pieces, tokens[a + 11:], "all")])
+    batched = runner.forward(
+        [SeqInput.extend(beside, other, "all"), SeqInput.extend(pieces, tokens[a + 11 :], "all")]
+    )
     got.append(batched[1])
     alone = runner.forward([SeqInput.extend(runner.new_cache(), other, "all")])[0]
 
     grouped = torch.cat(got)
     if not torch.equal(grouped, reference):
-        return _describe(grouped, reference, f"logits of a {total}-token prefill and of the "
-                         "same tokens fed in chunks, single steps and a batch")
+        return _describe(
+            grouped,
+            reference,
+            f"logits of a {total}-token prefill and of the "
+            "same tokens fed in chunks, single steps and a batch",
+        )
     if not torch.equal(alone, batched[0]):
         return _describe(batched[0], alone, "logits of a sequence alone and beside another")
     for index, (x, y) in enumerate(zip(pieces.layers, whole.layers, strict=True)):
         for name in ("k", "v"):
             a_kv, b_kv = getattr(x, name)[:, :total], getattr(y, name)[:, :total]
             if not torch.equal(a_kv, b_kv):
-                return _describe(a_kv.transpose(0, 1), b_kv.transpose(0, 1),
-                                 f"layer {index} {name.upper()} of a prefill and of chunks")
+                return _describe(
+                    a_kv.transpose(0, 1),
+                    b_kv.transpose(0, 1),
+                    f"layer {index} {name.upper()} of a prefill and of chunks",
+                )
     return None
 
 

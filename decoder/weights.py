@@ -41,14 +41,18 @@ class ModelWeights:
         if self.lm_head.data_ptr() != self.embed.data_ptr():
             tensors.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm,
-                        layer.w_gate_up, layer.w_down]
+            tensors += [
+                layer.attn_norm,
+                layer.wqkv,
+                layer.wo,
+                layer.mlp_norm,
+                layer.w_gate_up,
+                layer.w_down,
+            ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def weights_from_hf_state(
-    config: ModelConfig, get: Callable[[str], torch.Tensor]
-) -> ModelWeights:
+def weights_from_hf_state(config: ModelConfig, get: Callable[[str], torch.Tensor]) -> ModelWeights:
     """Build weights from Hugging Face Llama parameter names; `get(name)` returns a tensor.
 
     Raises KeyError naming the first missing parameter.
@@ -73,8 +77,12 @@ def weights_from_hf_state(
     embed = f32("model.embed_tokens.weight").contiguous()
     lm_head = embed if config.tie_word_embeddings else f32("lm_head.weight").contiguous()
     _check_shapes(config, embed, layers, lm_head)
-    return ModelWeights(embed=embed, layers=tuple(layers),
-                        final_norm=f32("model.norm.weight").contiguous(), lm_head=lm_head)
+    return ModelWeights(
+        embed=embed,
+        layers=tuple(layers),
+        final_norm=f32("model.norm.weight").contiguous(),
+        lm_head=lm_head,
+    )
 
 
 def _check_shapes(config: ModelConfig, embed, layers, lm_head) -> None:
@@ -82,8 +90,10 @@ def _check_shapes(config: ModelConfig, embed, layers, lm_head) -> None:
     expected = {
         "embed": ((c.vocab_size, c.hidden_size), embed.shape),
         "lm_head": ((c.vocab_size, c.hidden_size), lm_head.shape),
-        "wqkv": (((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
-                 layers[0].wqkv.shape),
+        "wqkv": (
+            ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+            layers[0].wqkv.shape,
+        ),
         "w_gate_up": ((2 * c.intermediate_size, c.hidden_size), layers[0].w_gate_up.shape),
         "w_down": ((c.hidden_size, c.intermediate_size), layers[0].w_down.shape),
     }

@@ -12,5 +12,13 @@ from decoder.compressors.registry import (
     parse_compressor,
 )
 
-__all__ = ["REGISTRY", "CompressedKV", "CompressedLayer", "Compressor", "CompressorPipeline",
-           "DenseLayer", "describe_compressors", "parse_compressor"]
+__all__ = [
+    "REGISTRY",
+    "CompressedKV",
+    "CompressedLayer",
+    "Compressor",
+    "CompressorPipeline",
+    "DenseLayer",
+    "describe_compressors",
+    "parse_compressor",
+]

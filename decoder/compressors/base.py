@@ -128,8 +128,9 @@ class Compressor(ABC):
         return 0
 
     @abstractmethod
-    def compress_layer(self, layer: CompressedLayer, queries: torch.Tensor | None,
-                       ctx: LayerContext) -> CompressedLayer:
+    def compress_layer(
+        self, layer: CompressedLayer, queries: torch.Tensor | None, ctx: LayerContext
+    ) -> CompressedLayer:
         """queries: [w, H, D] of the last w prefix tokens (w >= observe_window), or None."""
 
 
@@ -151,8 +152,13 @@ class Budget:
 
 
 def _format(value: Any) -> str:
-    return str(value) if isinstance(value, Budget) else repr(value) if isinstance(
-        value, float) else str(value)
+    return (
+        str(value)
+        if isinstance(value, Budget)
+        else repr(value)
+        if isinstance(value, float)
+        else str(value)
+    )
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -163,12 +169,16 @@ def gather_tokens(layer: CompressedLayer, index: torch.Tensor) -> DenseLayer:
     """Keep the slots `index` ([KVH, m], increasing per head) of an unquantized layer."""
     k, v = layer.materialize()
     expand = index.unsqueeze(-1).expand(-1, -1, k.shape[-1])
-    return DenseLayer(k.gather(1, expand).contiguous(), v.gather(1, expand).contiguous(),
-                      layer.positions.gather(1, index))
+    return DenseLayer(
+        k.gather(1, expand).contiguous(),
+        v.gather(1, expand).contiguous(),
+        layer.positions.gather(1, index),
+    )
 
 
-def observed_scores(layer: CompressedLayer, queries: torch.Tensor, window: int,
-                    prefix_length: int) -> torch.Tensor:
+def observed_scores(
+    layer: CompressedLayer, queries: torch.Tensor, window: int, prefix_length: int
+) -> torch.Tensor:
     """Attention each kept key receives from the last `window` observed queries.
 
     Softmax over the layer's keys, causal by position, summed over the window queries and
@@ -181,7 +191,7 @@ def observed_scores(layer: CompressedLayer, queries: torch.Tensor, window: int,
     group = heads // kv_heads
     q_pos = torch.arange(prefix_length - w, prefix_length)  # the window ends the prefix
     q = q.permute(1, 0, 2).reshape(kv_heads, group * w, dim)  # [KVH, group*w, D]
-    logits = torch.matmul(q, k.transpose(1, 2)) / dim ** 0.5  # [KVH, group*w, n]
+    logits = torch.matmul(q, k.transpose(1, 2)) / dim**0.5  # [KVH, group*w, n]
     future = layer.positions.long()[:, None, :] > q_pos.repeat(group)[None, :, None]
     probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
     return probs.sum(1) / group

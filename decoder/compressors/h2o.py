@@ -33,8 +33,9 @@ class H2O(Compressor):
     def observe_window(self) -> int:
         return self.window
 
-    def compress_layer(self, layer: CompressedLayer, queries: torch.Tensor | None,
-                       ctx: LayerContext) -> CompressedLayer:
+    def compress_layer(
+        self, layer: CompressedLayer, queries: torch.Tensor | None, ctx: LayerContext
+    ) -> CompressedLayer:
         assert queries is not None
         n, keep = layer.kept, self.budget.resolve(ctx.prefix_length)
         if keep >= n:

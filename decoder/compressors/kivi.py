@@ -28,8 +28,9 @@ class KIVI(Compressor):
         "group": Param("int", 32, "tokens per key group and channels per value group"),
     }
 
-    def compress_layer(self, layer: CompressedLayer, queries: torch.Tensor | None,
-                       ctx: LayerContext) -> CompressedLayer:
+    def compress_layer(
+        self, layer: CompressedLayer, queries: torch.Tensor | None, ctx: LayerContext
+    ) -> CompressedLayer:
         if layer.quantized:
             raise ValueError("kivi cannot quantize an already quantized layer")
         k, v = layer.materialize()
@@ -37,31 +38,56 @@ class KIVI(Compressor):
         quantized = max(0, (n - self.residual) // self.group * self.group)
         if quantized == 0 or dim % self.group:
             return layer
-        return QuantizedLayer(k[:, :quantized], v[:, :quantized], k[:, quantized:].clone(),
-                              v[:, quantized:].clone(), layer.positions, self.bits, self.group)
+        return QuantizedLayer(
+            k[:, :quantized],
+            v[:, :quantized],
+            k[:, quantized:].clone(),
+            v[:, quantized:].clone(),
+            layer.positions,
+            self.bits,
+            self.group,
+        )
 
 
 class QuantizedLayer(CompressedLayer):
     """Packed keys (per channel) and values (per token) plus a full-precision residual."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, residual_k: torch.Tensor,
-                 residual_v: torch.Tensor, positions: torch.Tensor, bits: int,
-                 group: int) -> None:
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        residual_k: torch.Tensor,
+        residual_v: torch.Tensor,
+        positions: torch.Tensor,
+        bits: int,
+        group: int,
+    ) -> None:
         heads, n, dim = k.shape
         self.bits, self.shape = bits, (heads, n, dim)
         # keys: [KVH, n/G, G, D], min/max over the G tokens of each channel
-        self.k_codes, self.k_scale, self.k_zero = _quantize(k.view(heads, n // group, group, dim),
-                                                            2, bits)
+        self.k_codes, self.k_scale, self.k_zero = _quantize(
+            k.view(heads, n // group, group, dim), 2, bits
+        )
         # values: [KVH, n, D/G, G], min/max over the G channels of each token
-        self.v_codes, self.v_scale, self.v_zero = _quantize(v.view(heads, n, dim // group, group),
-                                                            3, bits)
+        self.v_codes, self.v_scale, self.v_zero = _quantize(
+            v.view(heads, n, dim // group, group), 3, bits
+        )
         self.residual_k, self.residual_v = residual_k, residual_v
         self.positions = positions.to(torch.int32)
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
-                       self.v_zero, self.residual_k, self.residual_v, self.positions)
+        return _nbytes(
+            self.k_codes,
+            self.k_scale,
+            self.k_zero,
+            self.v_codes,
+            self.v_scale,
+            self.v_zero,
+            self.residual_k,
+            self.residual_v,
+            self.positions,
+        )
 
     @property
     def quantized(self) -> bool:
@@ -84,8 +110,9 @@ def _quantize(x: torch.Tensor, dim: int, bits: int):
     return _pack(codes, bits), scale, zero
 
 
-def _dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                bits: int) -> torch.Tensor:
+def _dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:
     return _unpack(packed, bits).float() * scale.float() + zero.float()
 
 

@@ -45,14 +45,22 @@ class CompressorPipeline:
     def observe_window(self) -> int:
         return max(stage.observe_window for stage in self.stages)
 
-    def compress(self, source, observed: list[torch.Tensor] | None,
-                 num_layers: int, kv_heads: int, head_dim: int) -> CompressedKV:
+    def compress(
+        self,
+        source,
+        observed: list[torch.Tensor] | None,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> CompressedKV:
         """source: a FullKVSource; observed: per layer [w, H, D] queries ending the prefix."""
         n = source.length
-        if self.observe_window and (observed is None or observed[0].shape[0] <
-                                    min(n, self.observe_window)):
-            raise ValueError(f"{self.spec} needs the prefill's last {self.observe_window} "
-                             "queries per layer")
+        if self.observe_window and (
+            observed is None or observed[0].shape[0] < min(n, self.observe_window)
+        ):
+            raise ValueError(
+                f"{self.spec} needs the prefill's last {self.observe_window} queries per layer"
+            )
         positions = torch.arange(n, dtype=torch.int32).expand(kv_heads, -1)
         layers = []
         for index in range(num_layers):
@@ -74,13 +82,17 @@ def parse_compressor(spec: str) -> CompressorPipeline:
     stages = [_parse_stage(part.strip()) for part in text.split("+")]
     droppers = [s for s in stages if s.drops_tokens]
     quantizers = [s for s in stages if not s.drops_tokens]
-    if len(droppers) > 1 or len(quantizers) > 1 or (
-            droppers and quantizers and stages.index(droppers[0]) > stages.index(quantizers[0])):
+    if (
+        len(droppers) > 1
+        or len(quantizers) > 1
+        or (droppers and quantizers and stages.index(droppers[0]) > stages.index(quantizers[0]))
+    ):
         drop = ", ".join(n for n, c in REGISTRY.items() if c.drops_tokens)
         quantize = ", ".join(n for n, c in REGISTRY.items() if not c.drops_tokens)
         raise CompressorSpecError(
             f"compressor spec {spec!r}: compose at most one token-dropping method ({drop}) "
-            f"followed by at most one quantizer ({quantize})")
+            f"followed by at most one quantizer ({quantize})"
+        )
     return CompressorPipeline(stages)
 
 
@@ -102,8 +114,9 @@ def _parse_stage(text: str) -> Compressor:
     for item in filter(None, (a.strip() for a in args.split(","))):
         key, eq, raw = (s.strip() for s in item.partition("="))
         if key not in cls.params:
-            raise CompressorSpecError(f"{cls.name}: unknown parameter {key!r}; allowed: "
-                                      f"{', '.join(cls.params)}")
+            raise CompressorSpecError(
+                f"{cls.name}: unknown parameter {key!r}; allowed: {', '.join(cls.params)}"
+            )
         if not eq or not raw:
             raise CompressorSpecError(f"{cls.name}: parameter {key!r} needs a value ({key}=...)")
         values[key] = _parse_value(cls.name, key, cls.params[key].kind, raw)
@@ -142,14 +155,17 @@ def _parse_budget(where: str, raw: str) -> Budget:
     try:
         fraction = float(raw)
     except ValueError:
-        raise CompressorSpecError(f"{where}: a budget is a fraction in (0, 1) such as 0.125 or "
-                                  "a token count such as 1024") from None
+        raise CompressorSpecError(
+            f"{where}: a budget is a fraction in (0, 1) such as 0.125 or a token count such as 1024"
+        ) from None
     if not 0.0 < fraction < 1.0:
-        raise CompressorSpecError(f"{where}: a fractional budget must be in (0, 1); "
-                                  "write a token count as an integer")
+        raise CompressorSpecError(
+            f"{where}: a fractional budget must be in (0, 1); write a token count as an integer"
+        )
     return Budget(fraction=fraction)
 
 
 def _allowed_names() -> str:
-    return (f"allowed: {', '.join(REGISTRY)} (compose with '+', e.g. "
-            "'snapkv:budget=0.25+kivi:bits=4')")
+    return (
+        f"allowed: {', '.join(REGISTRY)} (compose with '+', e.g. 'snapkv:budget=0.25+kivi:bits=4')"
+    )

@@ -37,15 +37,23 @@ class SnapKV(Compressor):
     def layer_budget(self, ctx: LayerContext) -> int:
         return self.budget.resolve(ctx.prefix_length)
 
-    def compress_layer(self, layer: CompressedLayer, queries: torch.Tensor | None,
-                       ctx: LayerContext) -> CompressedLayer:
+    def compress_layer(
+        self, layer: CompressedLayer, queries: torch.Tensor | None, ctx: LayerContext
+    ) -> CompressedLayer:
         assert queries is not None
-        return select_observed(layer, queries, self.layer_budget(ctx), self.window, self.kernel,
-                               ctx.prefix_length)
+        return select_observed(
+            layer, queries, self.layer_budget(ctx), self.window, self.kernel, ctx.prefix_length
+        )
 
 
-def select_observed(layer: CompressedLayer, queries: torch.Tensor, keep: int, window: int,
-                    kernel: int, prefix_length: int) -> CompressedLayer:
+def select_observed(
+    layer: CompressedLayer,
+    queries: torch.Tensor,
+    keep: int,
+    window: int,
+    kernel: int,
+    prefix_length: int,
+) -> CompressedLayer:
     """SnapKV's selection: the last `window` tokens plus the top pooled-score others."""
     n = layer.kept
     if keep >= n:
@@ -57,8 +65,9 @@ def select_observed(layer: CompressedLayer, queries: torch.Tensor, keep: int, wi
     scores = observed_scores(layer, queries, min(window, queries.shape[0]), prefix_length)
     candidates = scores[:, : n - window]
     if kernel > 1:
-        candidates = F.avg_pool1d(candidates.unsqueeze(1), kernel, stride=1,
-                                  padding=kernel // 2, count_include_pad=False).squeeze(1)
+        candidates = F.avg_pool1d(
+            candidates.unsqueeze(1), kernel, stride=1, padding=kernel // 2, count_include_pad=False
+        ).squeeze(1)
     top = torch.topk(candidates, keep - window, dim=-1).indices.sort(dim=-1).values
     recent = torch.arange(n - window, n).expand(heads, -1)
     return gather_tokens(layer, torch.cat([top, recent], dim=-1))

@@ -20,12 +20,16 @@ class StreamingLLM(Compressor):
     params = {
         "sink": Param("int", 4, "attention-sink tokens kept at the start"),
         "window": Param("int", 0, "recent tokens kept (0: the budget minus the sinks)"),
-        "budget": Param("budget", Budget(fraction=0.125),
-                        "tokens kept in all when window is 0 (fraction or count)"),
+        "budget": Param(
+            "budget",
+            Budget(fraction=0.125),
+            "tokens kept in all when window is 0 (fraction or count)",
+        ),
     }
 
-    def compress_layer(self, layer: CompressedLayer, queries: torch.Tensor | None,
-                       ctx: LayerContext) -> CompressedLayer:
+    def compress_layer(
+        self, layer: CompressedLayer, queries: torch.Tensor | None, ctx: LayerContext
+    ) -> CompressedLayer:
         n = layer.kept
         window = self.window or max(0, self.budget.resolve(ctx.prefix_length) - self.sink)
         if self.sink + window >= n:

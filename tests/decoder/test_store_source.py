@@ -28,7 +28,11 @@ def shards(redis_server, metadata, tmp_path):
 
 @pytest.mark.parametrize(
     "mode, sampling",
-    [("vericache", None), ("vericache", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)), ("full", None)],
+    [
+        ("vericache", None),
+        ("vericache", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)),
+        ("full", None),
+    ],
 )
 def test_decoding_over_the_store_is_token_for_token_full_kv(
     mode, sampling, builtin_model, builtin_runner, shards, metadata
