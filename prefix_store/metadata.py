@@ -156,10 +156,6 @@ class Metadata:
         self._call(write)
         return token
 
-    def set_quota(self, name: str, quota: int) -> None:
-        self._require_tenant(name)
-        self._call(self.redis.hset, f"{self.p}:tenant:{name}", "quota", int(quota))
-
     def _require_tenant(self, name: str) -> None:
         if not self._call(self.redis.sismember, f"{self.p}:tenants", name):
             raise InvalidArgument(f"tenant {name!r} does not exist")
@@ -177,9 +173,6 @@ class Metadata:
                 self.redis.sadd(f"{self.p}:ns:{namespace}:members", *members)
 
         self._call(write)
-
-    def remove_member(self, namespace: str, member: str) -> None:
-        self._call(self.redis.srem, f"{self.p}:ns:{namespace}:members", member)
 
     def tenant_names(self) -> list[str]:
         return sorted(m.decode() for m in self._call(self.redis.smembers, f"{self.p}:tenants"))

@@ -23,8 +23,17 @@ _ERRORS: dict[grpc.StatusCode, type[errors.StoreError]] = {
 
 # Codes on which a client may try again (same shard after backoff, or a replica).
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
-# Codes on which a client moves to the next replica without retrying the same shard.
-FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+# Codes on which a fetch stream moves to the next replica of its chunks (from its first
+# incomplete layer) instead of failing: the shard is gone, slow, corrupt or lacks the chunk.
+FAILOVER = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 def code_of(error: BaseException) -> grpc.StatusCode:

@@ -37,7 +37,6 @@ from prefix_store.client.plan import (
 )
 from prefix_store.client.retry import retrying_async, rpc_error
 from prefix_store.client.sync import (
-    FAILOVER_FETCH,
     FETCH_METHOD,
     PUT_METHOD,
     PublishResult,
@@ -52,6 +51,7 @@ from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.shard import validate_tokens
+from prefix_store.status import FAILOVER
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class AsyncStoreClient:
                     parts.append(message.data)
                     crc = message.crc32c  # carried by the last message
             except grpc.RpcError as error:
-                if error.code() in FAILOVER_FETCH:
+                if error.code() in FAILOVER:
                     continue
                 raise rpc_error(error) from error
             data = b"".join(parts)

@@ -227,13 +227,10 @@ def put_messages(
     `message_bytes`, then the commit with each chunk's CRC-32C over its layer-major bytes."""
     header = put_header(namespace, layout, tokens, chunks)
     yield pb.PutRequest(header=header).SerializeToString()
-    crcs = [0] * len(chunks)
     batch, size = [], 0
     for layer, (k, v) in enumerate(layers):
         for j, chunk in enumerate(chunks):
             views = segment_views(k, v, chunk)
-            for view in views:
-                crcs[j] = crc32c(view, crcs[j])
             batch.append((layer, j, views))
             size += sum(view.nbytes for view in views)
             if size >= message_bytes:
@@ -241,7 +238,8 @@ def put_messages(
                 batch, size = [], 0
     if batch:
         yield wire.put_segments(batch)
-    yield pb.PutRequest(commit=pb.PutCommit(crc32c=crcs)).SerializeToString()
+    commit = pb.PutCommit(crc32c=chunk_crcs(layers, chunks))
+    yield pb.PutRequest(commit=commit).SerializeToString()
 
 
 def fetch_request(

@@ -45,17 +45,9 @@ from prefix_store.config import ClientConfig
 from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.shard import validate_tokens
+from prefix_store.status import FAILOVER
 
 log = logging.getLogger(__name__)
-FAILOVER_FETCH = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DATA_LOSS,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-    }
-)
 
 
 PUT_METHOD = "/vericache.v1.PrefixStore/Put"
@@ -89,7 +81,7 @@ def exhausted(error: NotFound, failed: frozenset, cause: StoreError | None) -> S
 def failover_error(error: BaseException) -> StoreError | None:
     """The typed error of a failed fetch stream if another replica may succeed, else None."""
     if isinstance(error, grpc.RpcError):
-        return rpc_error(error) if error.code() in FAILOVER_FETCH else None
+        return rpc_error(error) if error.code() in FAILOVER else None
     if isinstance(error, Unavailable | DataLoss | NotFound):
         return error
     return None
