@@ -1,11 +1,13 @@
-# Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store.
+# Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
+# bench-remote.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store clean
+.PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
+	bench-remote clean
 
 install: $(STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -54,6 +56,11 @@ bench-local: install
 
 bench-store: install
 	$(PY) bench/bench_store.py
+
+# Remote prefix caching through the service (shared 8K x16, distinct 4K x8 budget sweep):
+# about 30 minutes on 2 cores.
+bench-remote: install
+	$(PY) bench/bench_remote.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from cluster import store_cli
+from cluster import decoder_cli, store_cli
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 
@@ -54,6 +54,10 @@ class GenerateArgs:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    endpoint: str | None = None
+    """A decoder's host:port: generate on the service instead of in this process."""
+    token: str | None = None
+    namespace: str = ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,12 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1]")
     gen.add_argument("--seed", type=int, help="sampling seed (same seed, same tokens)")
+    gen.add_argument(
+        "--endpoint", help="a decoder's host:port: generate on the service (remote prefix KV)"
+    )
+    gen.add_argument("--token", help="with --endpoint: tenant token (default: $VERICACHE_TOKEN)")
+    gen.add_argument(
+        "--namespace", default="", help="with --endpoint: shared namespace to look prefixes up in"
+    )
     gen.set_defaults(run=run_generate, parse=parse_generate)
 
-    demo = sub.add_parser("demo", help="run the demo on the built-in model")
+    demo = sub.add_parser(
+        "demo", help="the service on this machine: 3 tenants, full vs lossy vs vericache"
+    )
+    demo.add_argument("--prefix-tokens", type=int, default=3000, help="shared document tokens")
+    demo.add_argument("--requests", type=int, default=6, help="concurrent requests per mode")
     demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
     demo.set_defaults(run=run_demo, parse=lambda ns: ns)
     store_cli.add_commands(sub)
+    decoder_cli.add_commands(sub)
     return parser
 
 
@@ -114,6 +131,13 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         raise UsageError(f"--mode {ns.mode!r} is unknown; choose from: {', '.join(GENERATE_MODES)}")
     if ns.threads is not None and ns.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {ns.threads}")
+    token = None
+    if ns.endpoint is not None:
+        token = decoder_cli.token_of(ns, UsageError)
+        if ns.model is not None or ns.runner != "exact" or ns.threads is not None:
+            raise UsageError("--model, --runner and --threads are the service's with --endpoint")
+    elif ns.namespace:
+        raise UsageError("--namespace applies with --endpoint only")
     if ns.model is not None and not Path(ns.model).is_dir():
         raise UsageError(f"--model {ns.model}: not a directory")
     if ns.runner == "fast" and ns.mode != "full":
@@ -138,6 +162,9 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         top_k=ns.top_k,
         top_p=ns.top_p,
         seed=ns.seed,
+        endpoint=ns.endpoint,
+        token=token,
+        namespace=ns.namespace,
     )
 
 
@@ -187,6 +214,8 @@ def _read_prompt_file(path: Path) -> str:
 
 
 def run_generate(args: GenerateArgs) -> int:
+    if args.endpoint is not None:
+        return decoder_cli.run_remote_generate(args)
     from decoder.config import RunnerConfig
     from decoder.generate import generate_full
     from decoder.loader import load_model
@@ -274,60 +303,13 @@ def _stats_line(stats: dict) -> str:
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    """In-process lossless decoding on the built-in model: full vs lossy vs VeriCache.
+    from cluster.demo import DemoConfig
+    from cluster.demo import run_demo as demo
 
-    (Grows into the service demo once the prefix store exists.)
-    """
-    import inspect
-    import textwrap
-    import time
-
-    from decoder.engine import Engine, EngineConfig, Request, prefill_prefix
-    from decoder.loader import load_model
-    from decoder.runner import ModelRunner
-
-    model = load_model()
-    runner = ModelRunner(model.config, model.weights)
-    runner.ensure_exact_supported()
-    prompt = model.encode(inspect.getsource(textwrap))[:1200]
-    print(
-        f"vericache demo: {model.name}, a {len(prompt)}-token Python source prompt, "
-        f"{ns.max_new_tokens} new tokens, compressor {DEFAULT_COMPRESSOR}",
-        flush=True,
-    )
-    t0 = time.perf_counter()
-    prefix = prefill_prefix(runner, prompt[:-1])
-    print(f"prefix prefilled into host memory in {time.perf_counter() - t0:.1f}s", flush=True)
-    rows, reference = [], None
-    for mode in ("full", "lossy", "vericache"):
-        engine = Engine(
-            runner, EngineConfig(mode=mode, compressor=DEFAULT_COMPRESSOR), model.eos_token_ids
-        )
-        result = engine.run([Request(prefix, prompt[-1:], ns.max_new_tokens)])[0]
-        reference = reference or result.tokens
-        rows.append((mode, result))
-        print(f"  {mode:9s} done: {result.stats['tokens_per_s']} tok/s", flush=True)
-    print(
-        f"\n{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'KV bytes kept':>14s} "
-        f"{'accepted/verif':>15s}  identical to full"
-    )
-    full_speed = rows[0][1].stats["tokens_per_s"]
-    for mode, result in rows:
-        s = result.stats
-        same = result.tokens == reference
-        diverge = next(
-            (i for i, (a, b) in enumerate(zip(result.tokens, reference, strict=False)) if a != b),
-            None,
-        )
-        verdict = "yes" if same else f"no (from token {diverge})"
-        print(
-            f"{mode:10s} {s['tokens_per_s']:7.2f} {s['tokens_per_s'] / full_speed:7.2f}x "
-            f"{s.get('compressed_bytes', s['full_bytes']):14d} "
-            f"{str(s.get('accepted_per_verification', '-')):>15s}  {verdict}"
-        )
-    print("\nvericache output:\n" + model.decode(rows[2][1].tokens))
-    print("\nMore: vericache generate --help; make bench-local for 2K/8K contexts and batches.")
-    return 0 if rows[2][1].tokens == reference else 1
+    if ns.prefix_tokens < 256 or ns.requests < 1 or ns.max_new_tokens < 1:
+        raise UsageError("--prefix-tokens must be >= 256, --requests and --max-new-tokens >= 1")
+    compressor = _parse_compressor(ns.compressor)
+    return demo(DemoConfig(ns.prefix_tokens, ns.requests, ns.max_new_tokens, compressor))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

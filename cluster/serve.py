@@ -1,7 +1,8 @@
-"""`vericache serve`: the store on a Ray cluster, or the embedded default on this machine.
+"""`vericache serve`: the service on a Ray cluster, or the embedded default on this machine.
 
-Embedded (no Ray address): a local Ray instance, a local `redis-server` and N shard actors.
-With an address: shard actors on that cluster's storage nodes, Redis at `redis_url`.
+Embedded (no Ray address): a local Ray instance, a local `redis-server`, N shard actors and
+M decoder actors. With an address: shard actors on that cluster's storage nodes, decoders
+on its GPU nodes (any node when there are none), Redis at `redis_url`.
 Either way the endpoints and the Redis URL are written to a state file, so that
 `vericache tenant`, `status` and clients on this machine find the service.
 """
@@ -17,8 +18,10 @@ from pathlib import Path
 
 import ray
 
+from cluster.decoder_actor import decoder_actor
 from cluster.redis_server import RedisServer
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
+from decoder.service.config import DEFAULT_COMPRESSOR, DecoderConfig
 from prefix_store.config import GiB, ShardConfig
 from prefix_store.metadata import Metadata
 
@@ -67,10 +70,22 @@ class ServeConfig:
     """Redis data and shard disk tiers (per node)."""
     replication: int | None = None
     """Copies per chunk; None = 2 when there are two or more shards."""
+    decoders: int = 1
+    """Decoder workers (0 = the store alone)."""
+    decoder_port: int = 0
+    """First decoder gRPC port (decoder i on decoder_port + i); 0 = free ports."""
+    kv_budget: int | None = None
+    """KV bytes per decoder worker (None = unlimited)."""
+    compressor: str = DEFAULT_COMPRESSOR
+    """Default compressor spec of the decoders."""
+    decoder_threads: int | None = None
+    """torch threads per decoder (None: the node's cores)."""
 
     def __post_init__(self) -> None:
         if self.shards < 1:
             raise ValueError("shards: must be >= 1")
+        if self.decoders < 0:
+            raise ValueError("decoders: must be >= 0")
         if self.address is not None and self.redis_url is None:
             raise ValueError("redis_url: required when deploying onto a Ray cluster")
         if self.replication is not None and not 1 <= self.replication <= self.shards:
@@ -87,6 +102,17 @@ class ServeConfig:
             data_port=self.data_port + index if self.data_port else 0,
         )
 
+    def decoder(self, index: int, store_endpoints: list[str]) -> DecoderConfig:
+        return DecoderConfig(
+            store_endpoints=tuple(store_endpoints),
+            host=self.host,
+            port=self.decoder_port + index if self.decoder_port else 0,
+            worker_id=f"decoder-{index}",
+            kv_budget=self.kv_budget,
+            default_compressor=self.compressor,
+            threads=self.decoder_threads,
+        )
+
 
 class Deployment:
     """Starts and stops the store. Use as a context manager, or start()/stop()."""
@@ -97,6 +123,9 @@ class Deployment:
         self.redis_url = config.redis_url
         self.actors: dict[int, object] = {}
         self.endpoints: dict[int, str] = {}
+        self.decoder_actors: dict[int, object] = {}
+        self.decoders: dict[int, str] = {}
+        """Decoder endpoints (host:port) clients use for Generate and Publish."""
         self._owns_ray = False
 
     def start(self) -> Deployment:
@@ -118,6 +147,8 @@ class Deployment:
         self._init_ray()
         for index in range(self.config.shards):
             self.start_shard(index)
+        for index in range(self.config.decoders):
+            self.start_decoder(index)
         self._write_state()
         return self
 
@@ -143,6 +174,13 @@ class Deployment:
         self.actors[index], self.endpoints[index] = actor, address
         return address
 
+    def start_decoder(self, index: int) -> str:
+        stores = [self.endpoints[i] for i in sorted(self.endpoints)]
+        actor = decoder_actor(self.config.decoder(index, stores))
+        address = ray.get(actor.start.remote(), timeout=300)
+        self.decoder_actors[index], self.decoders[index] = actor, address
+        return address
+
     def kill_shard(self, index: int) -> None:
         """Kill a shard's process abruptly (no flush, no deregistration): a crash."""
         ray.kill(self.actors.pop(index))
@@ -163,6 +201,7 @@ class Deployment:
     def _write_state(self) -> None:
         state = {
             "endpoints": [self.endpoints[i] for i in sorted(self.endpoints)],
+            "decoders": [self.decoders[i] for i in sorted(self.decoders)],
             "redis_url": self.redis_url,
             "ray_address": self.config.address or "embedded",
             "started": time.time(),
@@ -172,6 +211,14 @@ class Deployment:
         state_file().write_text(json.dumps(state, indent=2))
 
     def stop(self) -> None:
+        for index, actor in list(self.decoder_actors.items()):
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as error:  # noqa: BLE001 - keep shutting the rest down
+                log.warning("decoder %d did not stop cleanly: %s", index, error)
+            ray.kill(actor)
+        self.decoder_actors.clear()
+        self.decoders.clear()
         for index in list(self.actors):
             try:
                 self.stop_shard(index)

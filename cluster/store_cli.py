@@ -74,6 +74,25 @@ def add_commands(sub) -> None:
     serve.add_argument(
         "--replication", type=int, help="copies per chunk (default 2 if >= 2 shards)"
     )
+    serve.add_argument(
+        "--decoders", type=int, default=1, help="decoder workers (default 1; 0 = store only)"
+    )
+    serve.add_argument(
+        "--decoder-port",
+        type=int,
+        default=0,
+        help="first decoder port, decoder i on DECODER_PORT+i (default: free ports)",
+    )
+    serve.add_argument(
+        "--kv-budget",
+        type=parse_bytes,
+        help="KV bytes per decoder: compressed prefixes, tails, staging (default unlimited)",
+    )
+    serve.add_argument(
+        "--compressor",
+        default="snapkv:budget=0.125",
+        help="the decoders' default compressor spec (default: %(default)s)",
+    )
     serve.set_defaults(parse=lambda ns: ns, run=run_serve)
 
     status = sub.add_parser("status", help="shards, capacity, usage per tenant, hit rates")
@@ -112,6 +131,16 @@ def add_commands(sub) -> None:
     nlist.set_defaults(parse=lambda ns: ns, run=run_namespace_list)
 
 
+def _compressor(spec: str) -> str:
+    from decoder.compressors import parse_compressor
+    from decoder.errors import CompressorSpecError
+
+    try:
+        return parse_compressor(spec).spec
+    except CompressorSpecError as error:
+        raise InvalidArgument(f"--compressor: {error}") from None
+
+
 def metadata(ns) -> Metadata:
     from cluster.serve import read_state
 
@@ -134,6 +163,10 @@ def run_serve(ns) -> int:
             disk_bytes=ns.disk_bytes,
             state_dir=ns.state_dir or home() / "state",
             replication=ns.replication,
+            decoders=ns.decoders,
+            decoder_port=ns.decoder_port,
+            kv_budget=ns.kv_budget,
+            compressor=_compressor(ns.compressor),
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from error
@@ -143,9 +176,13 @@ def run_serve(ns) -> int:
     deployment = Deployment(config)
     try:
         deployment.start()
-        print(f"vericache store: {config.shards} shard(s) up", flush=True)
+        print(
+            f"vericache: {config.shards} shard(s) and {config.decoders} decoder(s) up", flush=True
+        )
         for endpoint in deployment.endpoints.values():
-            print(f"  endpoint {endpoint}")
+            print(f"  store    {endpoint}")
+        for endpoint in deployment.decoders.values():
+            print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
         print(f"  redis    {deployment.redis_url}")
         print("  next: vericache tenant add NAME   (Ctrl-C stops the service)", flush=True)
         stop.wait()

@@ -1,12 +1,14 @@
-"""The decode loop over a batch of requests: full-KV, lossy, and VeriCache (draft/verify).
+"""The decode loop: full-KV, lossy, and VeriCache (draft/verify), with continuous batching.
 
 A request is a cached prefix (its full KV behind a `FullKVSource`, plus the queries its
-prefill observed) and at least one suffix token. Every mode first prefills the suffix in
-exact mode against the full prefix, streamed layer by layer, which gives the request's
-exact tail KV and its first token. Then:
+prefill observed) and at least one suffix token. Requests are submitted at any time and
+admitted under the engine's KV byte budget; each `step` admits what fits, prefills the new
+requests' suffixes in exact mode against the full prefix (streamed layer by layer), and
+advances every request in flight by one iteration:
 
-- `full`: the whole prefix KV is made resident and decoded with in exact mode, one token
-  per step (the baseline every lossless claim is measured against);
+- `full`: the prefix's full KV is read once and kept resident, shared by every request over
+  that prefix, and decoded with in exact mode one token per step (the baseline every
+  lossless claim is measured against);
 - `lossy`: decodes with the compressed prefix plus the tail alone, one token per step in
   the draft runner mode (what users of KV compression run today; not lossless);
 - `vericache`: rounds of `x` drafted tokens (compressed prefix + tail) and one exact
@@ -15,35 +17,42 @@ exact tail KV and its first token. Then:
   token; everything after it is rolled back, and the accepted tokens' verified KV
   replaces their draft KV. Only verifier choices are ever emitted.
 
+Scheduling (DESIGN.md section 4): requests over one prefix share its compressed copy and
+verify together in one pass over one pulled copy of it; the pull of the next verification
+starts (`LayerRing.begin`) before the draft step that precedes it; rounds of requests over
+different prefixes are staggered so their verifications (and pulls) fall in different
+iterations; the horizon adapts per request. When a prefix's full KV cannot be read, the
+engine recomputes it locally if the budget allows, else fails the requests over it with
+`PrefixUnavailable`; tokens already emitted were verified, and nothing else is emitted.
+
 Tokens are chosen by `decoder.sampling.Sampler`, keyed by output position, so the tokens
 of `vericache` are exactly the tokens of `full` (greedy or seeded sampling), whatever the
-batch, horizon or compressor.
+batch, horizon, compressor, or where the prefix KV came from.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from decoder.budget import KVBudget, OverBudget
 from decoder.compressors import CompressedKV, CompressorPipeline, parse_compressor
-from decoder.config import Mode
-from decoder.draft_cache import DraftCache
+from decoder.config import Mode, ceil_to
+from decoder.draft_cache import DraftCache, DraftPrefix, DraftScratch
 from decoder.generate import GenerationResult
 from decoder.horizon import Acceptance, CostModel, HorizonPolicy
 from decoder.kv_cache import KVCache
-from decoder.kv_source import (
-    FullKVSource,
-    LocalKVSource,
-    StagedCache,
-    StagingArea,
-    assemble_layer,
-)
-from decoder.runner import ModelRunner, SeqInput
+from decoder.kv_source import FullKVSource, LocalKVSource
+from decoder.runner import Logits, ModelRunner, SeqInput
 from decoder.sampling import Sampler, SamplingParams
+from decoder.staging import LayerRing, PassGroup, PrefixUnavailable
+from decoder.views import SharedPrefixView
 
 EngineMode = Literal["full", "lossy", "vericache"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("full", "lossy", "vericache")
@@ -100,19 +109,33 @@ class EngineConfig:
     """Upper bound of the automatic horizon."""
     draft_mode: Mode = "fast"
     """Runner mode of draft steps (and of lossy decoding)."""
+    kv_budget: int | None = None
+    """KV bytes the engine may hold (None: unlimited); admission waits for room."""
+    staging_depth: int = 2
+    """Layers of full prefix KV staged (and prefetched) at once for exact passes."""
+    stagger: bool = True
+    """Spread verifications of requests over different prefixes across iterations."""
+    recompute: bool = True
+    """Recompute a prefix locally when its full KV cannot be read (if the budget allows)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode must be one of {', '.join(ENGINE_MODES)}, got {self.mode!r}")
         if self.draft_mode not in ("exact", "fast"):
             raise ValueError(f"draft_mode must be 'exact' or 'fast', got {self.draft_mode!r}")
+        if self.kv_budget is not None and self.kv_budget <= 0:
+            raise ValueError(f"kv_budget must be > 0 bytes, got {self.kv_budget}")
+        if self.staging_depth < 1:
+            raise ValueError(f"staging_depth must be >= 1, got {self.staging_depth}")
         HorizonPolicy(self.horizon, self.max_horizon)  # validates both
 
 
-def prefill_prefix(runner: ModelRunner, tokens: Sequence[int], observe: int = 128) -> Prefix:
+def prefill_prefix(
+    runner: ModelRunner, tokens: Sequence[int], observe: int = 128, room: int = 0
+) -> Prefix:
     """Exact prefill of a prefix into host memory, keeping its last `observe` queries."""
     tokens = list(tokens)
-    cache = runner.new_cache(capacity=len(tokens))
+    cache = runner.new_cache(capacity=len(tokens) + room)
     observed = None
     if tokens:
         seq = SeqInput.extend(cache, tokens, logits="none", observe=observe)
@@ -130,24 +153,110 @@ def split_prompt(
     return prefill_prefix(runner, prompt[:-1], observe), list(prompt[-1:])
 
 
-@dataclass
+TokenListener = Callable[[list[int]], None]
+
+
+class Ticket:
+    """A submitted request: verified tokens reach `on_tokens` as they are accepted; `wait`
+    returns the result (or raises the error that ended the request)."""
+
+    def __init__(self, request: Request, on_tokens: TokenListener | None = None) -> None:
+        self.request = request
+        self.on_tokens = on_tokens
+        self.submitted = time.perf_counter()
+        self.on_done: Callable[[], None] | None = None
+        """Called once, from the engine's thread, when the request has ended."""
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError("the request did not finish in time")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request (the caller went away); thread-safe."""
+        self.cancelled = True
+
+    def _finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        if self._done.is_set():
+            return
+        self.result, self.error = result, error
+        self._done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+
+class Cancelled(Exception):
+    """The request was cancelled by its caller."""
+
+
+@dataclass(eq=False)
+class _Group:
+    """The requests in flight over one prefix, and what they share."""
+
+    prefix: Prefix
+    source: FullKVSource
+    room: int  # tail tokens the shared buffers leave after the prefix
+    members: int = 0
+    charged: int = 0  # budget bytes of the shared part
+    buffers: int = 0  # of which: the shared buffers (resident prefix, draft prefix)
+    resident: KVCache | None = None  # full mode: the prefix's full KV (+ room)
+    draft: DraftPrefix | None = None
+    local: bool = False  # recomputed here after the store failed
+
+    @property
+    def capacity(self) -> int:
+        return self.source.length + self.room
+
+    def pass_group(self) -> PassGroup:
+        return PassGroup(self.source, self.capacity)
+
+
+@dataclass(eq=False)
 class _Active:
     """A request in flight."""
 
-    req: Request
+    ticket: Ticket
+    group: _Group
     sampler: Sampler
     tail: KVCache
     eos: frozenset[int]
+    charged: int
+    admitted: float
     out: list[int] = field(default_factory=list)
     draft: DraftCache | None = None
-    resident: KVCache | None = None  # full mode: the whole KV
     drafts: list[int] = field(default_factory=list)
     horizon: int = 0
+    verify_at: int = 0  # iteration of this round's verification (staggering)
     acceptance: Acceptance = field(default_factory=Acceptance)
     stats: dict[str, float] = field(
-        default_factory=lambda: {"verifications": 0, "drafted": 0, "accepted": 0, "draft_steps": 0}
+        default_factory=lambda: {
+            "verifications": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "draft_steps": 0,
+            "pulled_bytes": 0.0,
+            "compress_s": 0.0,
+            "prefill_s": 0.0,
+        }
     )
+    timers: dict[str, float] = field(default_factory=dict)  # engine timers at admission
+    decode_start: float = 0.0
     stop_reason: str = ""
+
+    @property
+    def req(self) -> Request:
+        return self.ticket.request
 
     @property
     def last(self) -> int:
@@ -162,7 +271,7 @@ class _Active:
         return bool(self.stop_reason)
 
     def emit(self, tokens: Sequence[int]) -> int:
-        """Append verified tokens up to a stop; returns how many were taken."""
+        """Append verified tokens up to a stop, tell the listener; returns how many."""
         taken = 0
         for token in tokens:
             if self.done:
@@ -173,18 +282,24 @@ class _Active:
                 self.stop_reason = "eos"
             elif self.remaining <= 0:
                 self.stop_reason = "length"
+        if taken and self.ticket.on_tokens is not None:
+            self.ticket.on_tokens(self.out[-taken:])
         return taken
 
 
 class Engine:
-    """Decodes batches of requests with one runner; owns no request between calls."""
+    """Decodes requests with one runner under one KV budget. `submit` is thread-safe; one
+    thread calls `step` (or `run`, which submits a batch and steps until it is done)."""
 
     def __init__(
         self,
         runner: ModelRunner,
         config: EngineConfig | None = None,
         eos_token_ids: Sequence[int] = (),
+        budget: KVBudget | None = None,
     ) -> None:
+        """budget: shared with other engines of the same worker; default: one of
+        `config.kv_budget` bytes for this engine alone."""
         self.runner = runner
         self.config = config or EngineConfig()
         self.eos = frozenset(eos_token_ids)
@@ -193,13 +308,48 @@ class Engine:
         )
         self.policy = HorizonPolicy(self.config.horizon, self.config.max_horizon)
         self.costs = CostModel()
-        self.staging = StagingArea(runner.config, runner.rc.key_chunk)
-        self.timers: dict[str, float] = {}
+        self.budget = budget if budget is not None else KVBudget(self.config.kv_budget)
+        c = runner.config
+        self.ring = LayerRing(c, runner.rc.key_chunk, self.config.staging_depth)
+        self._ring_charged = 0
+        self.scratch = DraftScratch(c.num_kv_heads, c.head_dim)
+        self._scratch_charged = 0
+        self.timers: dict[str, float] = {
+            "draft_s": 0.0,
+            "draft_steps": 0,
+            "verify_s": 0.0,
+            "full_s": 0.0,
+            "full_steps": 0,
+            "steps": 0,
+        }
+        self.pulled_bytes = 0
+        self.peak_staging_bytes = 0
+        self._queue: deque[Ticket] = deque()
+        self._lock = threading.Lock()
+        self._active: list[_Active] = []
+        self._groups: dict[int, _Group] = {}  # id(prefix) -> group
+        self._iteration = 0
+
+    # -- public API -------------------------------------------------------------------------
 
     @property
     def observe_window(self) -> int:
         """Prefix queries a prefill must keep for this engine's compressor."""
         return self.pipeline.observe_window if self.pipeline else 0
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._active or self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queue)
 
     def compressed(self, prefix: Prefix) -> CompressedKV:
         """The prefix's compressed KV for this engine's spec, built once per prefix."""
@@ -212,110 +362,413 @@ class Engine:
             )
         return prefix.artifacts[spec]
 
+    def submit(self, request: Request, on_tokens: TokenListener | None = None) -> Ticket:
+        ticket = Ticket(request, on_tokens)
+        with self._lock:
+            self._queue.append(ticket)
+        return ticket
+
     def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
         """Decode every request to its stop; results in request order."""
         if not requests:
             raise ValueError("run needs at least one request")
+        tickets = [self.submit(r) for r in requests]
+        while not all(t.done for t in tickets):
+            self.step()
+        return [t.wait() for t in tickets]
+
+    def step(self) -> None:
+        """Admit what fits, prefill the new requests, advance everything one iteration."""
         self.runner.ensure_exact_supported()
-        self.timers = {"draft_s": 0.0, "verify_s": 0.0, "steps": 0}
-        self.staging.fetch_s = 0.0
+        for a in self._active:
+            if a.ticket.cancelled and not a.done:
+                a.stop_reason = "error"
+                a.ticket._finish(None, Cancelled("the request was cancelled"))
+        fresh = self._admit_queued()
+        if fresh:
+            self._prefill(fresh)
+        live = [a for a in self._active if not a.done]
+        if live:
+            {
+                "full": self._full_step,
+                "lossy": self._lossy_step,
+                "vericache": self._vericache_step,
+            }[self.config.mode](live)
+            self._iteration += 1
+        self._retire()
+
+    def close(self) -> None:
+        """Stop the prefetch reader and fail whatever is still queued or in flight."""
+        self.ring.cancel()
+        with self._lock:
+            queued, self._queue = list(self._queue), deque()
+        for t in queued:
+            t._finish(None, RuntimeError("the engine was closed"))
+        for a in self._active:
+            if not a.done:
+                a.stop_reason = "error"
+                a.ticket._finish(None, RuntimeError("the engine was closed"))
+        self._retire()
+
+    # -- admission --------------------------------------------------------------------------
+
+    def _tail_capacity(self, req: Request) -> int:
+        return len(req.suffix) + req.max_new_tokens + self.config.max_horizon + 1
+
+    def _token_bytes(self) -> int:
+        """Bytes of one token's full KV over all layers."""
+        c = self.runner.config
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+
+    def _own_bytes(self, tail_capacity: int) -> int:
+        c = self.runner.config
+        granule = self.runner.rc.key_chunk
+        tail = ceil_to(tail_capacity, granule) * (self._token_bytes() + 8 * c.num_layers)
+        if self.pipeline is None:
+            return tail
+        per_token = c.num_layers * c.num_kv_heads * (2 * c.head_dim * 4 + 8)
+        return tail + tail_capacity * per_token
+
+    def _admit_queued(self) -> list[_Active]:
+        fresh = []
+        while True:
+            with self._lock:
+                if not self._queue:
+                    break
+                ticket = self._queue[0]
+            if ticket.cancelled:
+                with self._lock:
+                    self._queue.popleft()
+                ticket._finish(None, Cancelled("the request was cancelled"))
+                continue
+            try:
+                active = self._try_admit(ticket)
+            except Exception as error:  # this request can never run: fail it, go on
+                with self._lock:
+                    self._queue.popleft()
+                ticket._finish(None, error)
+                continue
+            if active is None:
+                break  # head of the queue waits for room (first come, first served)
+            with self._lock:
+                self._queue.popleft()
+            self._active.append(active)
+            fresh.append(active)
+        return fresh
+
+    def _try_admit(self, ticket: Ticket) -> _Active | None:
+        req = ticket.request
+        capacity = self._tail_capacity(req)
+        group = self._groups.get(id(req.prefix))
+        new_group = group is None
         t0 = time.perf_counter()
-        active = [self._admit(r) for r in requests]
-        compress_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        self._prefill_suffixes(active)
-        prefill_s = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        decode = {
-            "full": self._decode_full,
-            "lossy": self._decode_lossy,
-            "vericache": self._decode_vericache,
-        }[self.config.mode]
-        decode(active)
-        decode_s = time.perf_counter() - t2
-        return [self._result(a, compress_s, prefill_s, decode_s) for a in active]
-
-    # -- admission and suffix prefill ------------------------------------------------------
-
-    def _admit(self, req: Request) -> _Active:
-        capacity = len(req.suffix) + req.max_new_tokens + self.config.max_horizon + 1
+        if group is None:
+            group = _Group(req.prefix, req.prefix.source, room=capacity)
+        own = self._own_bytes(capacity)
+        buffers = self._buffers_growth(group, max(group.room, capacity))
+        # A prefix held in local memory (prefilled here, not in the store) counts too.
+        local = isinstance(group.source, LocalKVSource) and new_group
+        shared = buffers + (group.source.nbytes if local else 0)
+        staging = self._staging_growth(group.source.length + max(group.room, capacity))
+        need = own + shared + staging
+        if not self.budget.try_reserve(need):
+            held = self._ring_charged + self._scratch_charged  # it would need those too
+            if self.budget.limit is not None and need + held > self.budget.limit:
+                raise OverBudget(
+                    f"the request needs {need} bytes of KV but the decoder's budget is "
+                    f"{self.budget.limit} bytes"
+                )
+            return None
+        try:
+            if new_group or capacity > group.room:
+                group.room = max(group.room, capacity)
+                self._build_shared(group, new_group)
+            group.charged += shared
+            group.buffers += buffers
+            self._grow_staging(staging, group.source.length + group.room)
+        except BaseException:
+            self.budget.release(need)
+            raise
+        if new_group:
+            self._groups[id(req.prefix)] = group
+        group.members += 1
         tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
-        active = _Active(req, Sampler(req.sampling), tail, self.eos)
-        if self.pipeline is not None:
-            compressed = self.compressed(req.prefix)
-            c = self.runner.config
-            active.draft = DraftCache(compressed, capacity, c.num_kv_heads, c.head_dim)
+        active = _Active(
+            ticket,
+            group,
+            Sampler(req.sampling),
+            tail,
+            self.eos,
+            charged=own,
+            admitted=time.perf_counter(),
+            timers=dict(self.timers),
+        )
+        if group.draft is not None:
+            active.draft = DraftCache(group.draft, capacity)
+        if new_group and self.config.mode == "full" and not group.local:
+            active.stats["pulled_bytes"] += group.source.nbytes  # the resident copy's pull
+        active.stats["compress_s"] = time.perf_counter() - t0
         return active
 
-    def _prefill_suffixes(self, active: list[_Active]) -> None:
-        seqs = [SeqInput.extend(self._staged(a, len(a.req.suffix)), a.req.suffix) for a in active]
-        logits = self.runner.forward(seqs, "exact")
-        for a, lg in zip(active, logits, strict=True):
+    def _buffers_growth(self, group: _Group, room: int) -> int:
+        """Budget bytes the group's shared buffers grow by to hold `room` tail tokens."""
+        if self.config.mode == "full":
+            cap = ceil_to(group.source.length + room, self.runner.rc.key_chunk)
+            return cap * (self._token_bytes() + 8 * self.runner.config.num_layers) - group.buffers
+        compressed = self.compressed(group.prefix)
+        c = self.runner.config
+        per_token = c.num_kv_heads * (2 * c.head_dim * 4 + 8)
+        total = 0
+        for layer in compressed.layers:
+            if layer.quantized:
+                total += layer.nbytes
+            else:
+                total += (layer.kept + room) * per_token
+        scratch = 0
+        if any(layer.quantized for layer in compressed.layers):
+            widest = max(layer.kept for layer in compressed.layers) + room
+            scratch = max(0, widest * per_token - self._scratch_charged)
+        return total - group.buffers + scratch
+
+    def _build_shared(self, group: _Group, new_group: bool) -> None:
+        if self.config.mode == "full":
+            self._load_resident(group)
+            return
+        c = self.runner.config
+        if group.draft is None:
+            group.draft = DraftPrefix(
+                self.compressed(group.prefix), c.num_kv_heads, c.head_dim, self.scratch
+            )
+        group.draft.ensure_room(group.room)
+        per_token = c.num_kv_heads * (2 * c.head_dim * 4 + 8)
+        if any(layer.quantized for layer in group.draft.compressed.layers):
+            widest = max(layer.kept for layer in group.draft.compressed.layers) + group.room
+            self._scratch_charged = max(self._scratch_charged, widest * per_token)
+
+    def _staging_growth(self, capacity: int) -> int:
+        if self.config.mode == "full":
+            return 0
+        return max(0, self.ring.bytes_for(capacity) - self._ring_charged)
+
+    def _grow_staging(self, growth: int, capacity: int) -> None:
+        self._ring_charged += growth
+
+    def _load_resident(self, group: _Group) -> None:
+        """Full mode: read the prefix's full KV into memory once, with tail room."""
+        p = group.source.length
+        old = group.resident
+        cache = self.runner.new_cache(capacity=p + group.room)
+        for index, layer in enumerate(cache.layers):
+            layer.positions[:] = torch.arange(layer.capacity)
+            if old is not None:
+                layer.k[:, :p] = old.layers[index].k[:, :p]
+                layer.v[:, :p] = old.layers[index].v[:, :p]
+        if old is None:
+            try:
+                for index, layer in enumerate(cache.layers):
+                    group.source.read_layer(index, layer.k[:, :p], layer.v[:, :p])
+            except Exception as error:
+                if not self._recompute_into(group, cache, error):
+                    raise PrefixUnavailable(group.source, error) from error
+            self.pulled_bytes += group.source.nbytes
+        group.resident = cache
+
+    # -- exact passes -----------------------------------------------------------------------
+
+    def _exact_pass(self, entries: list[tuple[_Active, list[int], Logits]]) -> list:
+        """One exact forward over requests' new tokens against their full prefix KV.
+
+        Entries are ordered by prefix group so each prefix layer is staged once. When a
+        prefix cannot be read, the pass is undone, the prefix recomputed (or its requests
+        failed) and the pass retried. Returns logits per entry (None for failed ones)."""
+        order = sorted(range(len(entries)), key=self._group_rank(entries))
+        result: list = [None] * len(entries)
+        pending = [i for i in order if not entries[i][0].done]
+        while pending:
+            groups = list(dict.fromkeys(entries[i][0].group for i in pending))
+            before = {i: len(entries[i][0].tail) for i in pending}
+            seqs = [self._view(entries[i], groups) for i in pending]
+            if self.config.mode != "full":
+                self.ring.begin([g.pass_group() for g in groups])
+            try:
+                logits = self.runner.forward(seqs, "exact")
+            except PrefixUnavailable as error:
+                self.ring.cancel()
+                for i in pending:
+                    entries[i][0].tail.truncate(before[i])
+                self._recover(error)
+                pending = [i for i in pending if not entries[i][0].done]
+                continue
+            finally:
+                self.peak_staging_bytes = max(self.peak_staging_bytes, self.ring.nbytes)
+            self.ring.finish()
+            for g in groups:
+                users = [i for i in pending if entries[i][0].group is g]
+                if self.config.mode != "full":
+                    self.pulled_bytes += g.source.nbytes
+                    for i in users:
+                        entries[i][0].stats["pulled_bytes"] += g.source.nbytes / len(users)
+            for i, lg in zip(pending, logits, strict=True):
+                result[i] = lg
+            break
+        return result
+
+    def _group_rank(self, entries):
+        ranks: dict[int, int] = {}
+        for a, _, _ in entries:
+            ranks.setdefault(id(a.group), len(ranks))
+        return lambda i: ranks[id(entries[i][0].group)]
+
+    def _view(self, entry: tuple[_Active, list[int], Logits], groups: list[_Group]) -> SeqInput:
+        a, tokens, logits = entry
+        g = a.group
+        if self.config.mode == "full":
+            resident = g.resident
+
+            def layers(i: int, resident=resident):
+                return resident.layers[i]
+        else:
+            rank = groups.index(g)
+
+            def layers(i: int, rank=rank):
+                return self.ring.take(rank, i)
+
+        return SeqInput.extend(SharedPrefixView(layers, g.source.length, a.tail), tokens, logits)
+
+    def _recover(self, error: PrefixUnavailable) -> None:
+        """A prefix's full KV failed to arrive: recompute it locally, or fail its requests."""
+        group = next((g for g in self._groups.values() if g.source is error.source), None)
+        if group is None:
+            raise error
+        if self._recompute_into(group, None, error.cause):
+            return
+        reason = Unreachable(
+            f"the prefix's full KV is unreachable ({error.cause}) and recomputing it locally "
+            f"needs {group.source.nbytes} bytes the decoder's KV budget does not have; no "
+            "unverified token was sent"
+            if self.config.recompute
+            else f"the prefix's full KV is unreachable ({error.cause})"
+        )
+        for a in self._active:
+            if a.group is group and not a.done:
+                a.stop_reason = "error"
+                a.ticket._finish(None, reason)
+
+    def _recompute_into(self, group: _Group, cache: KVCache | None, cause) -> bool:
+        """Exact prefill of the group's prefix here (bitwise the KV the store held)."""
+        if not self.config.recompute or group.local:
+            return False
+        p = group.source.length
+        extra = (
+            0
+            if cache is not None
+            else ceil_to(p, self.runner.rc.key_chunk)
+            * (self._token_bytes() + 8 * self.runner.config.num_layers)
+        )
+        if not self.budget.try_reserve(extra):
+            return False
+        if cache is None:
+            cache = self.runner.new_cache(capacity=p)
+        tokens = group.prefix.tokens[:p]
+        self.runner.forward([SeqInput.extend(cache, tokens, logits="none")], "exact")
+        group.source = LocalKVSource(cache, p)
+        group.charged += extra
+        group.local = True
+        return True
+
+    # -- one iteration per mode -------------------------------------------------------------
+
+    def _prefill(self, fresh: list[_Active]) -> None:
+        t0 = time.perf_counter()
+        logits = self._exact_pass([(a, a.req.suffix, "last") for a in fresh])
+        seconds = time.perf_counter() - t0
+        for a, lg in zip(fresh, logits, strict=True):
+            if a.done:
+                continue
+            a.stats["prefill_s"] = seconds
+            a.decode_start = time.perf_counter()
             a.emit([a.sampler.choose(lg[-1], 0)])
             if a.draft is not None:
                 a.draft.copy_tail(a.tail, 0, len(a.tail))
+            if self.config.mode == "vericache":
+                self._plan_round(a, self._iteration)
 
-    def _staged(self, a: _Active, extra: int) -> StagedCache:
-        return StagedCache(a.req.prefix.source, a.tail, self.staging, extra)
-
-    # -- full-KV baseline -------------------------------------------------------------------
-
-    def _decode_full(self, active: list[_Active]) -> None:
-        for a in active:
-            a.resident = self._resident_copy(a)
-        while live := [a for a in active if not a.done]:
-            seqs = [SeqInput.extend(a.resident, [a.last]) for a in live]
-            self.timers["steps"] += 1
-            for a, lg in zip(live, self.runner.forward(seqs, "exact"), strict=True):
+    def _full_step(self, live: list[_Active]) -> None:
+        t0 = time.perf_counter()
+        logits = self._exact_pass([(a, [a.last], "last") for a in live])
+        self.timers["full_s"] += time.perf_counter() - t0
+        self.timers["full_steps"] += 1
+        self.timers["steps"] += 1
+        for a, lg in zip(live, logits, strict=True):
+            if lg is not None:
                 a.emit([a.sampler.choose(lg[-1], len(a.out))])
 
-    def _resident_copy(self, a: _Active) -> KVCache:
-        """The prefix's full KV read into memory, followed by the request's tail."""
-        source = a.req.prefix.source
-        cache = self.runner.new_cache(capacity=source.length + len(a.tail) + a.remaining)
-        for index, layer in enumerate(cache.layers):
-            assemble_layer(source, a.tail, index, len(a.tail), layer)
-        return cache
+    def _lossy_step(self, live: list[_Active]) -> None:
+        live = self._by_group(live)
+        seqs = [SeqInput.extend(a.draft, [a.last]) for a in live]
+        self.timers["steps"] += 1
+        for a, lg in zip(live, self.runner.forward(seqs, self.config.draft_mode), strict=True):
+            a.emit([a.sampler.choose(lg[-1], len(a.out))])
 
-    # -- lossy ------------------------------------------------------------------------------
+    def _vericache_step(self, live: list[_Active]) -> None:
+        """One draft step for every request still drafting, then one verification pass for
+        every request whose round is drafted. Requests keep their own rounds, so a short
+        horizon never waits for a long one; the next pass's pull starts before drafting."""
+        drafting = [a for a in live if self._drafting(a)]
+        upcoming = [a for a in live if a not in drafting or len(a.drafts) + 1 >= a.horizon]
+        if upcoming:
+            groups = self._by_group(upcoming)
+            self.ring.begin([g.pass_group() for g in dict.fromkeys(a.group for a in groups)])
+        if drafting:
+            self._draft_step(drafting)
+        ready = [a for a in live if not a.done and not self._drafting(a)]
+        if ready:
+            self._verify(ready)
+            for a in ready:
+                if not a.done:
+                    self._plan_round(a, self._iteration + 1)
 
-    def _decode_lossy(self, active: list[_Active]) -> None:
-        while live := [a for a in active if not a.done]:
-            seqs = [SeqInput.extend(a.draft, [a.last]) for a in live]
-            self.timers["steps"] += 1
-            for a, lg in zip(live, self.runner.forward(seqs, self.config.draft_mode), strict=True):
-                a.emit([a.sampler.choose(lg[-1], len(a.out))])
+    @staticmethod
+    def _by_group(actives: list[_Active]) -> list[_Active]:
+        ranks: dict[int, int] = {}
+        for a in actives:
+            ranks.setdefault(id(a.group), len(ranks))
+        return sorted(actives, key=lambda a: ranks[id(a.group)])
 
-    # -- VeriCache --------------------------------------------------------------------------
-
-    def _decode_vericache(self, active: list[_Active]) -> None:
-        """Each iteration: one draft step for every request still drafting, then one
-        verification pass for every request whose round is drafted. Requests keep their
-        own rounds, so a short horizon never waits for a long one."""
-        for a in active:
-            self._plan_round(a)
-        while live := [a for a in active if not a.done]:
-            drafting = [a for a in live if self._drafting(a)]
-            if drafting:
-                self._draft_step(drafting)
-            ready = [a for a in live if not self._drafting(a)]
-            if ready:
-                self._verify(ready)
-                for a in ready:
-                    self._plan_round(a)
-
-    def _plan_round(self, a: _Active) -> None:
+    def _plan_round(self, a: _Active, start: int) -> None:
+        """Choose the request's next horizon; its round drafts from iteration `start`."""
         horizon = a.req.horizon
         if horizon is None:
             horizon = self.policy.choose(a.acceptance, self.costs)
-        a.horizon = max(0, min(horizon, a.remaining - 1))
+        horizon = max(0, min(horizon, a.remaining - 1))
+        if self.config.stagger and horizon > 1:
+            horizon = self._staggered(a, start, horizon)
+        a.horizon = horizon
         a.drafts = []
+        a.verify_at = start + max(horizon, 1) - 1
+
+    def _staggered(self, a: _Active, start: int, horizon: int) -> int:
+        """Shorten a round (never lengthen it) so that it verifies together with its own
+        prefix's requests, or else in an iteration no other prefix verifies in."""
+        planned: dict[int, set[int]] = {}
+        for other in self._active:
+            if other is not a and not other.done and other.out:
+                planned.setdefault(other.verify_at, set()).add(id(other.group))
+        lowest = max(1, horizon - horizon // 2)
+        for h in range(horizon, lowest - 1, -1):
+            if id(a.group) in planned.get(start + h - 1, ()):
+                return h
+        for h in range(horizon, lowest - 1, -1):
+            if not planned.get(start + h - 1):
+                return h
+        return horizon
 
     def _drafting(self, a: _Active) -> bool:
         return len(a.drafts) < a.horizon and not (a.drafts and a.drafts[-1] in self.eos)
 
     def _draft_step(self, drafting: list[_Active]) -> None:
         t0 = time.perf_counter()
+        drafting = self._by_group(drafting)
         seqs = [SeqInput.extend(a.draft, [a.drafts[-1] if a.drafts else a.last]) for a in drafting]
         logits = self.runner.forward(seqs, self.config.draft_mode)
         for a, lg in zip(drafting, logits, strict=True):
@@ -324,20 +777,20 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.costs.record_draft_step(seconds, len(drafting))
         self.timers["draft_s"] += seconds
+        self.timers["draft_steps"] += 1
         self.timers["steps"] += 1
 
     def _verify(self, live: list[_Active]) -> None:
         t0 = time.perf_counter()
         kept = [len(a.tail) for a in live]
-        seqs = [
-            SeqInput.extend(self._staged(a, len(a.drafts) + 1), [a.last, *a.drafts], "all")
-            for a in live
-        ]
-        logits = self.runner.forward(seqs, "exact")
+        logits = self._exact_pass([(a, [a.last, *a.drafts], "all") for a in live])
         seconds = time.perf_counter() - t0
-        self.costs.record_verification(len(seqs), sum(s.tokens.numel() for s in seqs), seconds)
+        tokens = sum(len(a.drafts) + 1 for a in live)
+        self.costs.record_verification(len(live), tokens, seconds)
         self.timers["verify_s"] += seconds
         for a, lg, before in zip(live, logits, kept, strict=True):
+            if lg is None:
+                continue  # failed: its prefix is unreachable
             choices = a.sampler.choose_rows(lg, len(a.out))
             accepted = 0
             while accepted < len(a.drafts) and a.drafts[accepted] == choices[accepted]:
@@ -352,29 +805,58 @@ class Engine:
             a.draft.truncate(before)
             a.draft.copy_tail(a.tail, before, before + taken)
 
-    # -- results ----------------------------------------------------------------------------
+    # -- retirement and results ---------------------------------------------------------------
 
-    def _result(
-        self, a: _Active, compress_s: float, prefill_s: float, decode_s: float
-    ) -> GenerationResult:
+    def _retire(self) -> None:
+        keep = []
+        for a in self._active:
+            if not a.done:
+                keep.append(a)
+                continue
+            self.budget.release(a.charged)
+            g = a.group
+            g.members -= 1
+            if g.members == 0:
+                self.budget.release(g.charged)
+                self._groups.pop(id(g.prefix), None)
+            if a.stop_reason != "error":
+                a.ticket._finish(self._result(a), None)
+        self._active = keep
+        if not self._active and (self._ring_charged or self._scratch_charged):
+            with self._lock:
+                idle = not self._queue
+            if idle:  # nothing in flight: staging and scratch are returned to the budget
+                self.ring.drop()
+                self.scratch.drop()
+                self.budget.release(self._ring_charged + self._scratch_charged)
+                self._ring_charged = self._scratch_charged = 0
+
+    def _result(self, a: _Active) -> GenerationResult:
         s = a.stats
-        total = compress_s + prefill_s + decode_s
+        now = time.perf_counter()
+        decode_s = now - a.decode_start
+        busy = s["compress_s"] + s["prefill_s"] + decode_s
+        group = a.group
         stats: dict[str, float | int | str] = {
             "mode": self.config.mode,
-            "prefix_tokens": a.req.prefix.source.length,
-            "prompt_tokens": a.req.prefix.source.length + len(a.req.suffix),
+            "prefix_tokens": group.source.length,
+            "prompt_tokens": group.source.length + len(a.req.suffix),
             "generated_tokens": len(a.out),
-            "compress_s": round(compress_s, 4),
-            "prefill_s": round(prefill_s, 4),
+            "compress_s": round(s["compress_s"], 4),
+            "prefill_s": round(s["prefill_s"], 4),
             "decode_s": round(decode_s, 4),
-            "tokens_per_s": round(len(a.out) / total, 3) if total > 0 else 0.0,
-            "full_bytes": a.req.prefix.source.nbytes,
-            "peak_staging_bytes": self.staging.peak_bytes,
+            "queue_s": round(a.admitted - a.ticket.submitted, 4),
+            "latency_s": round(now - a.ticket.submitted, 4),
+            "tokens_per_s": round(len(a.out) / busy, 3) if busy > 0 else 0.0,
+            "full_bytes": group.source.nbytes,
+            "pulled_bytes": int(s["pulled_bytes"]),
+            "peak_staging_bytes": self.peak_staging_bytes,
+            "recomputed": group.local,
         }
         if a.req.sampling.temperature > 0:
             stats["seed"] = a.sampler.params.seed
-        if a.draft is not None:
-            compressed = self.compressed(a.req.prefix)
+        if group.draft is not None:
+            compressed = group.draft.compressed
             stats.update(
                 compressor=compressed.spec,
                 compressed_bytes=compressed.nbytes,
@@ -389,9 +871,14 @@ class Engine:
                 draft_steps=int(s["draft_steps"]),
                 accepted_per_verification=round(s["accepted"] / v, 3),
                 tokens_per_verification=round((len(a.out) - 1) / v, 3),
-                fetch_s=round(self.staging.fetch_s, 4),
-                draft_s=round(self.timers["draft_s"], 4),
-                verify_s=round(self.timers["verify_s"], 4),
+                fetch_s=round(self.ring.stats.read_s, 4),
+                fetch_stall_s=round(self.ring.stats.stall_s, 4),
+                draft_s=round(self.timers["draft_s"] - a.timers.get("draft_s", 0.0), 4),
+                verify_s=round(self.timers["verify_s"] - a.timers.get("verify_s", 0.0), 4),
             )
-        stats["batch_steps"] = int(self.timers["steps"])
+        stats["batch_steps"] = int(self.timers["steps"] - a.timers.get("steps", 0))
         return GenerationResult(tokens=a.out, stop_reason=a.stop_reason or "length", stats=stats)
+
+
+class Unreachable(Exception):
+    """A request's prefix KV can be neither read nor recomputed (maps to UNAVAILABLE)."""

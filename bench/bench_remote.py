@@ -1,0 +1,308 @@
+"""Remote prefix caching: full-KV baseline vs lossy vs VeriCache over the prefix store.
+
+Everything real: the store runs as Ray actors (2 shards, replication 2) with a Redis
+metadata plane; a decoder worker serves gRPC on loopback; requests go through the SDK
+client, concurrently, each with a tenant token. Every mode uses the same decoder (same
+model, same KV budget accounting) and the same store.
+
+Workloads (prefixes are real Python source, published once with their compressed artifact):
+- shared: one `--shared-tokens` (8K) prefix, `--shared-requests` (16) requests with
+  different suffixes, `--max-new-tokens` (128) each. The full-KV baseline pulls the prefix
+  once and keeps that copy resident, shared by all requests (as prefix-caching engines do);
+  VeriCache keeps the compressed copy and pulls the full one for each verification.
+- distinct: `--distinct-requests` (8) requests, each with its own `--distinct-tokens` (4K)
+  prefix, under the KV budgets at which the full-KV baseline holds 2, 4 and all 8 requests
+  at once; VeriCache runs under the same budgets.
+
+Columns: aggregate tokens/s (all generated tokens over the batch's wall time) and its ratio
+to the full-KV baseline of the same workload and budget; p50/p95 request latency; accepted
+tokens per verification; bytes pulled from the store per generated token; peak decoder KV
+bytes (budget accounting); the DESIGN.md section 10 bound (full-KV step time over draft
+step time, measured in the same run, times the fraction of drafted tokens accepted); and
+identical-to-full per request. Times are medians over `--repeats` runs.
+
+Usage: python bench/bench_remote.py [--workloads shared distinct] [--repeats 1]
+       [--out bench/results/remote.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster.serve import Deployment, ServeConfig  # noqa: E402
+from decoder.loader import load_model  # noqa: E402
+from decoder.service import DecoderClient, DecoderConfig, DecoderServer  # noqa: E402
+from prefix_store.config import GiB  # noqa: E402
+from prefix_store.metadata import Metadata  # noqa: E402
+
+MODULES = [
+    "argparse",
+    "inspect",
+    "difflib",
+    "typing",
+    "pathlib",
+    "dataclasses",
+    "enum",
+    "functools",
+    "textwrap",
+    "json.decoder",
+    "collections",
+    "logging",
+]
+
+
+def source_text(start: int) -> str:
+    import importlib
+
+    parts = []
+    for name in MODULES[start:] + MODULES[:start]:
+        parts.append(inspect.getsource(importlib.import_module(name)))
+    return "\n\n".join(parts)
+
+
+def suffix(model, i: int) -> list[int]:
+    return model.encode(f"\n\n# Task {i}: explain the code above, part {i}, step by step.\n#")[1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", nargs="+", default=["shared", "distinct"])
+    ap.add_argument("--shared-tokens", type=int, default=8192)
+    ap.add_argument("--shared-requests", type=int, default=16)
+    ap.add_argument("--distinct-tokens", type=int, default=4096)
+    ap.add_argument("--distinct-requests", type=int, default=8)
+    ap.add_argument("--holds", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--compressor", default="snapkv:budget=0.125")
+    ap.add_argument("--modes", nargs="+", default=["full", "lossy", "vericache"])
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/remote.json"))
+    args = ap.parse_args()
+
+    model = load_model()
+    home = Path(tempfile.mkdtemp(prefix="vericache-bench-"))
+    os.environ["VERICACHE_HOME"] = str(home)
+    serve = ServeConfig(
+        shards=2, decoders=0, memory_bytes=4 * GiB, disk_bytes=0, state_dir=home / "state"
+    )
+    rows = []
+    with Deployment(serve) as deployment:
+        stores = tuple(deployment.endpoints[i] for i in sorted(deployment.endpoints))
+        token = Metadata(deployment.redis_url).add_tenant("bench", 0)
+        publisher = _server(stores, None, model)
+        try:
+            workloads = {}
+            if "shared" in args.workloads:
+                prefix = model.encode(source_text(0))[: args.shared_tokens]
+                _publish(publisher, token, [prefix], args.compressor)
+                workloads["shared"] = [
+                    prefix + suffix(model, i) for i in range(args.shared_requests)
+                ]
+            if "distinct" in args.workloads:
+                prefixes = [
+                    model.encode(source_text(i))[: args.distinct_tokens]
+                    for i in range(args.distinct_requests)
+                ]
+                _publish(publisher, token, prefixes, args.compressor)
+                workloads["distinct"] = [p + suffix(model, i) for i, p in enumerate(prefixes)]
+        finally:
+            publisher.stop()
+        for name, prompts in workloads.items():
+            budgets = [(None, "unlimited")]
+            if name == "distinct":
+                per_request = _full_request_bytes(model, len(prompts[0]), args)
+                budgets = [(h * per_request, f"full holds {h}") for h in args.holds]
+            for budget, label in budgets:
+                reference = None
+                for mode in args.modes:
+                    row = _measure(stores, token, model, prompts, mode, budget, args)
+                    row.update(workload=name, budget=budget, budget_label=label)
+                    if mode == "full":
+                        reference = row
+                    _finish_row(row, reference)
+                    rows.append(row)
+                    _print_row(row)
+    _print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": model.name,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _server(stores, budget, model) -> DecoderServer:
+    config = DecoderConfig(store_endpoints=stores, kv_budget=budget, worker_id="bench")
+    server = DecoderServer(config, worker=None if model is None else _worker(config, model))
+    server.start()
+    return server
+
+
+def _worker(config, model):
+    from decoder.service.worker import DecoderWorker
+
+    return DecoderWorker(config, model)
+
+
+def _publish(server: DecoderServer, token: str, prefixes, compressor: str) -> None:
+    with DecoderClient(server.address, token) as client:
+        for i, ids in enumerate(prefixes):
+            t0 = time.perf_counter()
+            reply = client.publish(token_ids=ids, compressors=[compressor])
+            print(
+                f"published prefix {i + 1}/{len(prefixes)}: {reply.tokens} tokens "
+                f"({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+
+
+def _full_request_bytes(model, prompt_tokens: int, args) -> int:
+    """KV bytes one full-KV baseline request holds: its resident prefix (with tail room)
+    and its own tail, as the engine charges them (multiples of 256-token chunks)."""
+    c = model.config
+    per_token = c.num_layers * (2 * c.num_kv_heads * c.head_dim * 4 + 8)
+    tail = prompt_tokens - args.distinct_tokens + args.max_new_tokens + 32 + 1
+    resident = -(-(args.distinct_tokens + tail) // 256) * 256
+    own = -(-tail // 256) * 256
+    return (resident + own) * per_token
+
+
+def _measure(stores, token, model, prompts, mode, budget, args) -> dict:
+    runs = []
+    for _ in range(args.repeats):
+        server = _server(stores, budget, model)
+        try:
+            runs.append(_batch(server, token, prompts, mode, args))
+        finally:
+            server.stop()
+    tokens = runs[0]["tokens"]
+    if any(r["tokens"] != tokens for r in runs):
+        raise SystemExit(f"{mode}: outputs differ across repeats")
+    row = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "tokens"}
+    row["tokens"] = tokens
+    row["mode"] = mode
+    return row
+
+
+def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
+    replies: list = [None] * len(prompts)
+    latencies = [0.0] * len(prompts)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        t = time.perf_counter()
+        try:
+            with DecoderClient(server.address, token) as client:
+                replies[i] = client.generate(
+                    token_ids=prompts[i],
+                    max_new_tokens=args.max_new_tokens,
+                    mode=mode,
+                    compressor=args.compressor,
+                )
+        except BaseException as error:  # reported below
+            errors.append(error)
+        latencies[i] = time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    worker = server.worker
+    timers = {k: 0.0 for k in ("draft_s", "draft_steps", "full_s", "full_steps")}
+    for engine in worker._engines.values():
+        for key in timers:
+            timers[key] += engine.timers[key]
+    generated = sum(len(r.tokens) for r in replies)
+    verifications = sum(r.stats.get("verifications", 0) for r in replies)
+    return {
+        "tokens": [r.tokens for r in replies],
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "p50_s": statistics.median(latencies),
+        "p95_s": sorted(latencies)[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
+        "accepted_per_verification": (
+            sum(r.stats.get("accepted", 0) for r in replies) / verifications
+            if verifications
+            else 0.0
+        ),
+        "acceptance": (
+            sum(r.stats.get("accepted", 0) for r in replies)
+            / max(1, sum(r.stats.get("drafted", 0) for r in replies))
+        ),
+        "pulled_per_token": sum(r.stats.get("pulled_bytes", 0) for r in replies) / generated,
+        "peak_kv_bytes": worker.budget.peak,
+        "full_step_s": timers["full_s"] / timers["full_steps"] if timers["full_steps"] else 0.0,
+        "draft_step_s": timers["draft_s"] / timers["draft_steps"] if timers["draft_steps"] else 0.0,
+        "fetch_stall_s": max((r.stats.get("fetch_stall_s", 0.0) for r in replies), default=0.0),
+        "fetch_s": max((r.stats.get("fetch_s", 0.0) for r in replies), default=0.0),
+    }
+
+
+def _finish_row(row: dict, reference: dict | None) -> None:
+    if reference is None:
+        row.update(ratio=None, identical=None, bound=None)
+        return
+    row["ratio"] = row["tokens_per_s"] / reference["tokens_per_s"]
+    same = [a == b for a, b in zip(row["tokens"], reference["tokens"], strict=True)]
+    row["identical"] = f"{sum(same)}/{len(same)}"
+    row["bound"] = None
+    if row["mode"] == "vericache" and row["draft_step_s"] and reference["full_step_s"]:
+        row["bound"] = reference["full_step_s"] / row["draft_step_s"] * row["acceptance"]
+
+
+HEADER = (
+    f"{'workload':9s} {'budget':>15s} {'mode':9s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
+    f"{'p95 s':>6s} {'acc/ver':>7s} {'pulled/tok':>10s} {'peak KV':>9s} {'bound':>6s} identical"
+)
+
+
+def _fmt_row(row: dict) -> str:
+    ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
+    bound = f"{row['bound']:.2f}x" if row.get("bound") else "-"
+    acc = f"{row['accepted_per_verification']:.2f}" if row["mode"] == "vericache" else "-"
+    return (
+        f"{row['workload']:9s} {row['budget_label']:>15s} {row['mode']:9s} "
+        f"{row['tokens_per_s']:7.2f} {ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} "
+        f"{acc:>7s} {_mb(row['pulled_per_token']):>10s} {_mb(row['peak_kv_bytes']):>9s} "
+        f"{bound:>6s} {row['identical'] or 'reference'}"
+    )
+
+
+def _print_row(row: dict) -> None:
+    print(_fmt_row(row), flush=True)
+
+
+def _print_table(rows: list[dict]) -> None:
+    print("\n" + HEADER)
+    print("-" * len(HEADER))
+    for row in rows:
+        print(_fmt_row(row))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}MB" if n >= 1e5 else f"{n / 1e3:.1f}KB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

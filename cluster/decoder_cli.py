@@ -1,0 +1,123 @@
+"""Decoder subcommands of `vericache`: `publish`, and `generate --endpoint` (remote)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def add_commands(sub) -> None:
+    pub = sub.add_parser(
+        "publish", help="prefill a prefix once and store its KV and compressed artifacts"
+    )
+    source = pub.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", type=Path, help="the prefix text, from a UTF-8 file")
+    source.add_argument("--text", help="the prefix text")
+    pub.add_argument("--token", help="tenant token (default: $VERICACHE_TOKEN)")
+    pub.add_argument("--shared", default="", metavar="NAMESPACE", help="a shared namespace")
+    pub.add_argument(
+        "--compressor",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="store a compressed artifact for this spec (repeatable)",
+    )
+    pub.add_argument("--chat", action="store_true", help="wrap the text in the chat template")
+    pub.add_argument("--endpoint", help="decoder host:port (default: the local service's)")
+    pub.add_argument("--json", action="store_true")
+    pub.set_defaults(parse=parse_publish, run=run_publish)
+
+
+def token_of(ns, usage_error) -> str:
+    token = ns.token or os.environ.get("VERICACHE_TOKEN")
+    if not token:
+        raise usage_error("--token is required (or set VERICACHE_TOKEN)")
+    return token
+
+
+def default_endpoint(usage_error) -> str:
+    from cluster.serve import read_state
+
+    decoders = read_state().get("decoders") or []
+    if not decoders:
+        raise usage_error("the local service runs no decoder: pass --endpoint HOST:PORT")
+    return decoders[0]
+
+
+def parse_publish(ns: argparse.Namespace) -> argparse.Namespace:
+    from cluster.cli import UsageError, _parse_compressor, _read_prompt_file
+
+    ns.token = token_of(ns, UsageError)
+    ns.text = ns.text if ns.file is None else _read_prompt_file(ns.file)
+    if not ns.text:
+        raise UsageError("the prefix text is empty")
+    ns.compressor = [_parse_compressor(spec) for spec in ns.compressor]
+    ns.endpoint = ns.endpoint or default_endpoint(UsageError)
+    return ns
+
+
+def run_publish(ns: argparse.Namespace) -> int:
+    from decoder.service.client import DecoderClient
+
+    with DecoderClient(ns.endpoint, ns.token) as client:
+        reply = client.publish(
+            text=ns.text, chat=ns.chat, namespace=ns.shared, compressors=ns.compressor
+        )
+    result = {
+        "tokens": reply.tokens,
+        "stored_bytes": reply.stored_bytes,
+        "artifacts": list(reply.artifacts),
+        "namespace": ns.shared,
+        "prefill_s": round(reply.prefill_s, 3),
+    }
+    if ns.json:
+        print(json.dumps(result))
+    else:
+        where = f"shared namespace {ns.shared}" if ns.shared else "your private namespace"
+        print(
+            f"published {reply.tokens} tokens into {where}: {reply.stored_bytes} bytes stored, "
+            f"artifacts: {', '.join(reply.artifacts) or 'none'} (prefill {reply.prefill_s:.1f}s)"
+        )
+    return 0
+
+
+def run_remote_generate(args) -> int:
+    """`vericache generate --endpoint`: the same flags and JSON as in-process mode."""
+    from decoder.service.client import DecoderClient
+
+    with DecoderClient(args.endpoint, args.token) as client:
+        stream = client.stream(
+            text=args.prompt,
+            chat=args.chat,
+            max_new_tokens=args.max_new_tokens,
+            mode=args.mode,
+            compressor=args.compressor if args.mode != "full" else "",
+            horizon=args.horizon,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            namespace=args.namespace,
+            reply=(reply := _reply()),
+        )
+        for piece in stream:
+            if not args.json:
+                print(piece.text, end="", flush=True)
+    if args.json:
+        out = {"mode": args.mode, "tokens": reply.tokens, "text": reply.text, "stats": reply.stats}
+        print(json.dumps(out))
+    else:
+        from cluster.cli import _stats_line
+
+        print()
+        print(_stats_line(reply.stats), file=sys.stderr)
+    return 0
+
+
+def _reply():
+    from decoder.service.client import GenerateReply
+
+    return GenerateReply()

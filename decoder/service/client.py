@@ -1,0 +1,146 @@
+"""The Decoder client SDK.
+
+    with DecoderClient("host:port", token) as client:
+        for piece in client.stream(text="...", max_new_tokens=64):
+            print(piece.text, end="")
+        reply = client.generate(token_ids=ids, mode="vericache", compressor="kivi:bits=4")
+
+Errors arrive as the store's typed errors (`prefix_store.errors`): INVALID_ARGUMENT is
+InvalidArgument, UNAVAILABLE Unavailable, RESOURCE_EXHAUSTED QuotaExceeded, and so on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from vericache.v1 import decoder_pb2 as dpb
+from vericache.v1 import decoder_pb2_grpc as dpb_grpc
+
+from prefix_store.client.retry import rpc_error
+
+
+@dataclass
+class GenerateReply:
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = ""
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Verified tokens as they arrive."""
+
+    tokens: list[int]
+    text: str
+
+
+class DecoderClient:
+    def __init__(self, endpoint: str, token: str, timeout_s: float = 3600.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(endpoint)
+        self._stub = dpb_grpc.DecoderStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DecoderClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def info(self) -> dpb.InfoResponse:
+        return self._call(self._stub.Info, dpb.InfoRequest())
+
+    def publish(
+        self,
+        *,
+        text: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        chat: bool = False,
+        namespace: str = "",
+        compressors: Sequence[str] = (),
+    ) -> dpb.PublishResponse:
+        request = dpb.PublishRequest(chat=chat, namespace=namespace, compressors=compressors)
+        _set_prompt(request, text, token_ids)
+        return self._call(self._stub.Publish, request)
+
+    def stream(self, *, reply: GenerateReply | None = None, **kwargs) -> Iterator[Piece]:
+        """Yield verified tokens as they are accepted; fills `reply` (if given) as it goes."""
+        reply = reply if reply is not None else GenerateReply()
+        call = self._stub.Generate(
+            generate_request(**kwargs), metadata=self._metadata, timeout=self.timeout_s
+        )
+        try:
+            for event in call:
+                if event.HasField("tokens"):
+                    piece = Piece(list(event.tokens.ids), event.tokens.text)
+                    reply.tokens.extend(piece.tokens)
+                    reply.text += piece.text
+                    yield piece
+                else:
+                    reply.stop_reason = event.done.stop_reason
+                    reply.stats = json.loads(event.done.stats_json)
+        except grpc.RpcError as error:
+            raise rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    def generate(self, **kwargs) -> GenerateReply:
+        """Generate to the end; see `generate_request` for the arguments."""
+        reply = GenerateReply()
+        for _ in self.stream(reply=reply, **kwargs):
+            pass
+        return reply
+
+    def _call(self, method, request):
+        try:
+            return method(request, metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise rpc_error(error) from None
+
+
+def generate_request(
+    *,
+    text: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    chat: bool = False,
+    max_new_tokens: int = 64,
+    mode: str = "vericache",
+    compressor: str = "",
+    horizon: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    namespace: str = "",
+) -> dpb.GenerateRequest:
+    request = dpb.GenerateRequest(
+        chat=chat,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        compressor=compressor,
+        namespace=namespace,
+        sampling=dpb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
+    )
+    if seed is not None:
+        request.sampling.seed = seed
+    if horizon is not None:
+        request.horizon = horizon
+    _set_prompt(request, text, token_ids)
+    return request
+
+
+def _set_prompt(request, text, token_ids) -> None:
+    if (text is None) == (token_ids is None):
+        raise ValueError("give exactly one of text or token_ids")
+    if text is not None:
+        request.text = text
+    else:
+        request.token_ids.ids.extend(token_ids)

@@ -1,0 +1,50 @@
+"""The decoder worker's typed configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefix_store.config import ClientConfig
+
+DEFAULT_COMPRESSOR = "snapkv:budget=0.125"
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """One decoder worker: where the store is, what it may hold, how it listens."""
+
+    store_endpoints: tuple[str, ...]
+    """host:port of one or more prefix-store shards (the rest is discovered)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """gRPC port (0 = any free port; the bound one is reported)."""
+    advertise_host: str | None = None
+    """Host clients should use (default: `host`)."""
+    worker_id: str = "decoder-0"
+    model: str | None = None
+    """A local Hugging Face folder; None = the built-in model."""
+    kv_budget: int | None = None
+    """KV bytes this worker may hold (compressed prefixes, tails, staging; the full-KV
+    baseline's resident prefixes); None = unlimited."""
+    default_compressor: str = DEFAULT_COMPRESSOR
+    staging_depth: int = 2
+    """Layers of full prefix KV staged (and prefetched) at once per exact pass."""
+    threads: int | None = None
+    """torch CPU threads (None: torch's choice)."""
+    max_new_tokens: int = 4096
+    """Upper bound a request may ask for."""
+    max_workers: int = 32
+    """Concurrent RPCs served."""
+    prefix_cache: int = 8
+    """Idle prefixes (with their compressed artifacts) kept for the next request."""
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+    def __post_init__(self) -> None:
+        if not self.store_endpoints:
+            raise ValueError("store_endpoints: at least one host:port is required")
+        if self.kv_budget is not None and self.kv_budget <= 0:
+            raise ValueError(f"kv_budget must be > 0 bytes, got {self.kv_budget}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

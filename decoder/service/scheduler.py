@@ -1,0 +1,87 @@
+"""The one thread that runs the model on a decoder worker.
+
+Everything that computes with the runner (engine steps, publish prefills, artifact builds)
+runs here, one thing at a time: the runner's kernels already use every core, and exact
+mode's guarantees assume nothing else runs in between. Jobs (`call`) run between engine
+steps; busy engines (one per mode and compressor spec) take turns step by step, so a
+long request never starves another mode's requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from decoder.engine import Engine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self._engines: list[Engine] = []
+        self._jobs: deque[tuple[Callable, Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="decoder-scheduler", daemon=True)
+        self._thread.start()
+
+    def add_engine(self, engine: Engine) -> None:
+        with self._wake:
+            self._engines.append(engine)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the scheduler thread and return its result (or raise its error)."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the decoder is shutting down")
+            self._jobs.append((fn, future))
+            self._wake.notify()
+        return future.result()
+
+    def notify(self) -> None:
+        """Something was submitted to an engine."""
+        with self._wake:
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join()
+        for engine in self._engines:
+            engine.close()
+        for _, future in self._jobs:
+            future.set_exception(RuntimeError("the decoder is shutting down"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._jobs and not self._any_busy():
+                    self._wake.wait(timeout=1.0)
+                if self._stopped:
+                    return
+                job = self._jobs.popleft() if self._jobs else None
+                engines = list(self._engines)
+            if job is not None:
+                fn, future = job
+                try:
+                    future.set_result(fn())
+                except BaseException as error:  # handed to the caller
+                    future.set_exception(error)
+            for engine in engines:
+                if engine.busy:
+                    try:
+                        engine.step()
+                    except Exception:  # a bug: fail what is in flight, keep serving
+                        log.exception("engine step failed")
+                        engine.close()
+
+    def _any_busy(self) -> bool:
+        return any(engine.busy for engine in self._engines)

@@ -1,0 +1,113 @@
+"""The Decoder gRPC service: `Generate` (a stream of verified tokens, then stats),
+`Publish` and `Info`, with health checking and reflection.
+
+Every failure ends the call with a precise status (`decoder.service.status`): a bad
+request is INVALID_ARGUMENT, an unknown token UNAUTHENTICATED, a request larger than the
+whole KV budget RESOURCE_EXHAUSTED, a prefix whose full KV can be neither read nor
+recomputed UNAVAILABLE. Tokens sent before a failure were verified; nothing else is sent.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from vericache.v1 import decoder_pb2 as dpb
+from vericache.v1 import decoder_pb2_grpc as dpb_grpc
+
+from decoder.service.config import DecoderConfig
+from decoder.service.status import code_of
+from decoder.service.worker import DecoderWorker
+from prefix_store.auth import bearer_token
+
+log = logging.getLogger(__name__)
+SERVICE = "vericache.v1.Decoder"
+
+
+def _fail(context: grpc.ServicerContext, error: Exception):
+    code = code_of(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in a Decoder handler")
+    context.abort(code, str(error) or type(error).__name__)
+
+
+def _handled(method):
+    @functools.wraps(method)
+    def handler(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - every failure gets a precise status
+            _fail(context, error)
+
+    return handler
+
+
+class DecoderServicer(dpb_grpc.DecoderServicer):
+    def __init__(self, worker: DecoderWorker) -> None:
+        self.worker = worker
+
+    def Generate(self, request, context):
+        try:
+            token = bearer_token(context.invocation_metadata())
+            spec = self.worker.parse_generate(request)
+            stream = self.worker.generate(token, spec, cancelled=lambda: not context.is_active())
+            for event in stream:
+                if event[0] == "tokens":
+                    _, ids, text = event
+                    yield dpb.GenerateEvent(tokens=dpb.Tokens(ids=ids, text=text))
+                else:
+                    _, stop, stats = event
+                    yield dpb.GenerateEvent(done=dpb.Done(stop_reason=stop, stats_json=stats))
+        except Exception as error:  # noqa: BLE001
+            _fail(context, error)
+
+    @_handled
+    def Publish(self, request, context):
+        return self.worker.publish(bearer_token(context.invocation_metadata()), request)
+
+    @_handled
+    def Info(self, request, context):
+        bearer_token(context.invocation_metadata())
+        return self.worker.info()
+
+
+class DecoderServer:
+    """A decoder worker serving gRPC."""
+
+    def __init__(self, config: DecoderConfig, worker: DecoderWorker | None = None) -> None:
+        self.config = config
+        self.worker = worker or DecoderWorker(config)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="dec"),
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        dpb_grpc.add_DecoderServicer_to_server(DecoderServicer(self.worker), self.server)
+        health_servicer = health.HealthServicer()
+        health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        reflection.enable_server_reflection(
+            (
+                dpb.DESCRIPTOR.services_by_name["Decoder"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self.address = f"{config.advertise_host or config.host}:{self.port}"
+
+    def start(self) -> str:
+        self.server.start()
+        log.info("decoder %s serving on %s", self.config.worker_id, self.address)
+        return self.address
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.server.stop(grace_s).wait()
+        self.worker.close()

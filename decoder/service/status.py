@@ -1,0 +1,36 @@
+"""The one place where decoder-side errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from decoder.budget import OverBudget
+from decoder.compressors.artifact import ArtifactFormatError
+from decoder.engine import Unreachable
+from decoder.errors import CompressorSpecError, ExactModeUnsupported
+from prefix_store import status as store_status
+from prefix_store.errors import StoreError
+
+
+class BadRequest(ValueError):
+    """A Generate or Publish request that cannot be served as sent."""
+
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (CompressorSpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverBudget, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unreachable, grpc.StatusCode.UNAVAILABLE),
+    (ArtifactFormatError, grpc.StatusCode.DATA_LOSS),
+    (ExactModeUnsupported, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def code_of(error: BaseException) -> grpc.StatusCode:
+    """The status a Decoder RPC fails with; anything unexpected is INTERNAL."""
+    if isinstance(error, StoreError):
+        return store_status.code_of(error)
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL

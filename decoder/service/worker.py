@@ -1,0 +1,372 @@
+"""A decoder worker: the request flow of DESIGN.md section 4 over the prefix store.
+
+Generate:
+1. the longest cached prefix of the prompt is looked up with the caller's token (so a
+   tenant finds exactly what it may read); its compressed artifact for the requested spec
+   is fetched once per worker, or, when missing, built here once from the full KV and
+   stored for every later request and worker;
+2. the request joins the engine of its mode and spec, which prefills the rest of the
+   prompt exactly against the full prefix KV streamed layer by layer, then drafts and
+   verifies; requests over one prefix (one tenant's, or a shared namespace's) share its
+   compressed copy and verify together over one pulled copy;
+3. verified tokens are handed to the caller as they are accepted.
+
+A prompt with no cached prefix is prefilled here (its KV is held locally, under the
+budget) and decoded the same way. Publish prefills a prefix once, stores its full KV chunks
+and one artifact per requested compressor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from vericache.v1 import decoder_pb2 as dpb
+
+from decoder.budget import KVBudget
+from decoder.compressors import CompressedKV, parse_compressor
+from decoder.compressors.artifact import from_bytes, to_bytes
+from decoder.config import RunnerConfig
+from decoder.engine import ENGINE_MODES, Engine, EngineConfig, Prefix, Request, prefill_prefix
+from decoder.kv_source import FullKVSource
+from decoder.loader import LoadedModel, load_model
+from decoder.runner import ModelRunner, SeqInput
+from decoder.sampling import SamplingParams
+from decoder.service.config import DecoderConfig
+from decoder.service.scheduler import Scheduler
+from decoder.service.status import BadRequest
+from decoder.store_source import StoreKVSource, kv_layout
+from prefix_store.client import CachedPrefix, StoreClient
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A prefix this worker knows, shared by every request over it."""
+
+    prefix: Prefix
+    cached: CachedPrefix | None  # None: prefilled here (not in the store)
+    users: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class GenerateSpec:
+    """A validated Generate request."""
+
+    prompt: list[int]
+    namespace: str
+    mode: str
+    compressor: str
+    max_new_tokens: int
+    sampling: SamplingParams
+    horizon: int | None
+
+
+class DecoderWorker:
+    def __init__(self, config: DecoderConfig, model: LoadedModel | None = None) -> None:
+        """model: an already loaded model to serve (default: load `config.model`)."""
+        self.config = config
+        self.model = model or load_model(config.model)
+        self.runner = ModelRunner(
+            self.model.config, self.model.weights, RunnerConfig(threads=config.threads)
+        )
+        self.runner.ensure_exact_supported()
+        self.layout = kv_layout(self.model.config, self.model.fingerprint)
+        self.budget = KVBudget(config.kv_budget)
+        self.scheduler = Scheduler()
+        self._engines: dict[tuple[str, str], Engine] = {}
+        self._prefixes: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._clients: dict[str, StoreClient] = {}
+        self._lock = threading.Lock()
+        parse_compressor(config.default_compressor)  # fail at start-up, not per request
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    # -- Info -----------------------------------------------------------------------------
+
+    def info(self) -> dpb.InfoResponse:
+        engines = list(self._engines.values())
+        return dpb.InfoResponse(
+            model_id=self.layout.model_id,
+            worker_id=self.config.worker_id,
+            kv_budget=self.budget.limit or 0,
+            kv_used=self.budget.used,
+            in_flight=sum(e.in_flight for e in engines),
+            queued=sum(e.queued for e in engines),
+            default_compressor=self.config.default_compressor,
+        )
+
+    # -- Generate ---------------------------------------------------------------------------
+
+    def parse_generate(self, request: dpb.GenerateRequest) -> GenerateSpec:
+        prompt = self._prompt_ids(request)
+        if len(prompt) < 2:
+            raise BadRequest("prompt: at least 2 tokens are needed (a prefix and one more)")
+        mode = request.mode or "vericache"
+        if mode not in ENGINE_MODES:
+            raise BadRequest(f"mode {mode!r} is unknown; choose from: {', '.join(ENGINE_MODES)}")
+        compressor = parse_compressor(request.compressor or self.config.default_compressor).spec
+        if not 1 <= request.max_new_tokens <= self.config.max_new_tokens:
+            raise BadRequest(
+                f"max_new_tokens must be in [1, {self.config.max_new_tokens}], "
+                f"got {request.max_new_tokens}"
+            )
+        limit = self.model.config.max_position_embeddings
+        if len(prompt) + request.max_new_tokens > limit:
+            raise BadRequest(
+                f"prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the model's context of {limit}"
+            )
+        s = request.sampling
+        try:
+            sampling = SamplingParams(
+                s.temperature,
+                s.top_k,
+                s.top_p if 0 < s.top_p <= 1 else 1.0,
+                s.seed if s.HasField("seed") else None,
+            )
+        except ValueError as error:
+            raise BadRequest(f"sampling: {error}") from None
+        horizon = request.horizon if request.HasField("horizon") else None
+        if horizon is not None and horizon > 256:
+            raise BadRequest(f"horizon must be <= 256, got {horizon}")
+        return GenerateSpec(
+            prompt, request.namespace, mode, compressor, request.max_new_tokens, sampling, horizon
+        )
+
+    def generate(self, token: str, spec: GenerateSpec, cancelled=lambda: False) -> Iterator:
+        """Yield (token ids, text) as tokens are verified, then the final (stop, stats)."""
+        client = self.client(token)
+        entry = self._entry(client, spec.prompt[:-1], spec.namespace)
+        try:
+            if spec.mode != "full":
+                self._ensure_artifact(entry, spec.compressor)
+            suffix = spec.prompt[entry.prefix.source.length :]
+            engine = self._engine(spec.mode, spec.compressor)
+            events: queue.Queue = queue.Queue()
+            request = Request(
+                entry.prefix, suffix, spec.max_new_tokens, spec.sampling, spec.horizon
+            )
+            ticket = engine.submit(request, on_tokens=events.put)
+            ticket.on_done = lambda: events.put(_DONE)
+            self.scheduler.notify()
+            cached = entry.cached.tokens if entry.cached is not None else 0
+            yield from self._stream(ticket, events, cancelled, {"cached_tokens": cached})
+        finally:
+            self._release(entry)
+
+    def _stream(self, ticket, events: queue.Queue, cancelled, extra: dict) -> Iterator:
+        out: list[int] = []
+        sent = ""
+        while True:
+            try:
+                item = events.get(timeout=0.25)
+            except queue.Empty:
+                if cancelled():
+                    ticket.cancel()
+                    self.scheduler.notify()
+                continue
+            if item is _DONE:
+                break
+            out.extend(item)
+            text = self.model.decode(out)
+            if text.endswith("\ufffd"):  # an incomplete character: wait for the rest
+                piece = ""
+            else:
+                piece, sent = text[len(sent) :], text
+            yield ("tokens", item, piece)
+        result = ticket.wait()  # raises the request's error
+        stats = {
+            "model": self.model.name,
+            "worker": self.config.worker_id,
+            "stop_reason": result.stop_reason,
+            **result.stats,
+            **extra,
+        }
+        yield ("done", result.stop_reason, json.dumps(stats))
+
+    # -- Publish ----------------------------------------------------------------------------
+
+    def publish(self, token: str, request: dpb.PublishRequest) -> dpb.PublishResponse:
+        tokens = self._prompt_ids(request)
+        if not tokens:
+            raise BadRequest("prompt: the prefix is empty")
+        pipelines = [parse_compressor(spec) for spec in request.compressors]
+        client = self.client(token)
+        observe = max([p.observe_window for p in pipelines] + [1])
+
+        def work() -> dpb.PublishResponse:
+            t0 = time.perf_counter()
+            need = len(tokens) * self._token_bytes()
+            self.budget.reserve(need)  # transient: the prefill's full KV
+            try:
+                prefix = prefill_prefix(self.runner, tokens, observe)
+                prefill_s = time.perf_counter() - t0
+                kv = []
+                for index in range(self.layout.num_layers):
+                    shape = (self.layout.num_kv_heads, len(tokens), self.layout.head_dim)
+                    k, v = torch.empty(shape), torch.empty(shape)
+                    prefix.source.read_layer(index, k, v)
+                    kv.append((k, v))
+                result = client.publish_prefix(tokens, kv, self.layout, request.namespace)
+                del kv
+                specs = []
+                for pipeline in pipelines:
+                    compressed = self._compress(pipeline, prefix.source, prefix.observed)
+                    client.put_artifact(result.prefix, pipeline.spec, to_bytes(compressed))
+                    specs.append(pipeline.spec)
+            finally:
+                self.budget.release(need)
+            return dpb.PublishResponse(
+                tokens=result.prefix.tokens,
+                stored_bytes=result.stored_bytes,
+                artifacts=specs,
+                prefill_s=prefill_s,
+            )
+
+        return self.scheduler.call(work)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise BadRequest("prompt: the text is empty")
+            return self.model.encode(request.text, chat=request.chat)
+        if which == "token_ids":
+            ids = list(request.token_ids.ids)
+            vocab = self.model.config.vocab_size
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise BadRequest(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+            return ids
+        raise BadRequest("prompt: set text or token_ids")
+
+    def client(self, token: str) -> StoreClient:
+        """A store client acting as the caller (its token decides what it may read)."""
+        with self._lock:
+            client = self._clients.get(token)
+        if client is None:
+            client = StoreClient(list(self.config.store_endpoints), token, self.config.client)
+            with self._lock:
+                client = self._clients.setdefault(token, client)
+        return client
+
+    def _engine(self, mode: str, compressor: str) -> Engine:
+        key = (mode, compressor if mode != "full" else "")
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is None:
+                config = EngineConfig(
+                    mode=mode, compressor=compressor, staging_depth=self.config.staging_depth
+                )
+                engine = Engine(self.runner, config, self.model.eos_token_ids, self.budget)
+                self._engines[key] = engine
+                self.scheduler.add_engine(engine)
+        return engine
+
+    def _entry(self, client: StoreClient, tokens: list[int], namespace: str) -> _Entry:
+        cached = client.lookup(tokens, self.layout, namespace)
+        if cached.tokens == 0:
+            return self._local_entry(tokens)
+        key = (cached.namespace, cached.key, cached.tokens)
+        with self._lock:
+            entry = self._prefixes.get(key)
+            if entry is None:
+                source = StoreKVSource(client, cached)
+                entry = _Entry(Prefix(tokens[: cached.tokens], source), cached)
+                self._prefixes[key] = entry
+            self._prefixes.move_to_end(key)
+            entry.users += 1
+            self._evict()
+        return entry
+
+    def _local_entry(self, tokens: list[int]) -> _Entry:
+        """No cached prefix: prefill it here (held locally, not stored)."""
+        prefix = self.scheduler.call(lambda: prefill_prefix(self.runner, tokens, 128))
+        return _Entry(prefix, None, users=1)
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.users -= 1
+            self._evict()
+
+    def _evict(self) -> None:
+        idle = [k for k, e in self._prefixes.items() if e.users == 0]
+        for key in idle[: max(0, len(self._prefixes) - self.config.prefix_cache)]:
+            del self._prefixes[key]
+
+    def _ensure_artifact(self, entry: _Entry, spec: str) -> CompressedKV:
+        """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored."""
+        with entry.lock:
+            prefix = entry.prefix
+            if spec in prefix.artifacts:
+                return prefix.artifacts[spec]
+            compressed = None
+            if entry.cached is not None:
+                data = entry.prefix.source.client.fetch_artifact(entry.cached, spec)
+                if data is not None:
+                    compressed = from_bytes(data)
+                    if compressed.prefix_length != prefix.source.length:
+                        log.warning("artifact %s has the wrong length; rebuilding", spec)
+                        compressed = None
+            if compressed is None:
+                compressed = self.scheduler.call(lambda: self._build_artifact(entry, spec))
+            prefix.artifacts[spec] = compressed
+            return compressed
+
+    def _build_artifact(self, entry: _Entry, spec: str) -> CompressedKV:
+        pipeline = parse_compressor(spec)
+        prefix = entry.prefix
+        observed = prefix.observed
+        if pipeline.observe_window and observed is None:
+            observed = self._observe(prefix, pipeline.observe_window)
+        compressed = self._compress(pipeline, prefix.source, observed)
+        if entry.cached is not None:
+            prefix.source.client.put_artifact(entry.cached, spec, to_bytes(compressed))
+        return compressed
+
+    def _compress(self, pipeline, source: FullKVSource, observed) -> CompressedKV:
+        c = self.model.config
+        return pipeline.compress(source, observed, c.num_layers, c.num_kv_heads, c.head_dim)
+
+    def _observe(self, prefix: Prefix, window: int) -> list[torch.Tensor]:
+        """The rotated queries of the prefix's last `window` tokens: their exact forward
+        over the rest of the prefix's full KV (what the prefill observed)."""
+        p = prefix.source.length
+        w = min(window, p)
+        need = p * self._token_bytes()
+        self.budget.reserve(need)  # transient
+        try:
+            cache = self.runner.new_cache(capacity=p)
+            c = self.model.config
+            k = torch.empty(c.num_kv_heads, p, c.head_dim)
+            v = torch.empty(c.num_kv_heads, p, c.head_dim)
+            for index, layer in enumerate(cache.layers):
+                prefix.source.read_layer(index, k, v)
+                layer.append(k[:, : p - w], v[:, : p - w], torch.arange(p - w))
+            seq = SeqInput.extend(cache, prefix.tokens[p - w :], logits="none", observe=w)
+            self.runner.forward([seq], "exact")
+            return seq.observed
+        finally:
+            self.budget.release(need)
+
+    def _token_bytes(self) -> int:
+        c = self.model.config
+        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4

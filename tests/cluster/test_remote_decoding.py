@@ -1,0 +1,260 @@
+"""Remote prefix caching end to end: real Ray actors (shards and a decoder worker), a real
+Redis, gRPC on loopback and the built-in model. Every remote output is compared token for
+token with in-process full-KV decoding of the same prompt."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+import threading
+
+import pytest
+
+from cluster.cli import main
+from cluster.serve import Deployment, ServeConfig
+from decoder.generate import generate_full
+from decoder.sampling import SamplingParams
+from decoder.service.client import DecoderClient
+from prefix_store.client import StoreClient
+from prefix_store.config import MiB
+from prefix_store.errors import InvalidArgument, Unauthenticated
+
+NEW = 24
+SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
+
+
+@pytest.fixture(scope="module")
+def service(redis_server, tmp_path_factory):
+    home = tmp_path_factory.mktemp("vericache-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VERICACHE_HOME", str(home))
+    config = ServeConfig(
+        shards=2,
+        redis_url=redis_server.url,
+        memory_bytes=512 * MiB,
+        disk_bytes=0,
+        state_dir=home / "state",
+        decoders=1,
+    )
+    with Deployment(config) as deployed:
+        yield deployed
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tenants(service):
+    from prefix_store.metadata import Metadata
+
+    md = Metadata(service.redis_url)
+    tokens = {name: md.add_tenant(f"remote-{name}", 0) for name in ("a", "b", "c")}
+    md.add_shared("docs", ["remote-a", "remote-b"])
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def document(builtin_model):
+    """A ~700-token source file: the shared document prefix."""
+    return builtin_model.decode(builtin_model.encode(inspect.getsource(textwrap))[:700])
+
+
+def decoder(service, token) -> DecoderClient:
+    return DecoderClient(service.decoders[0], token)
+
+
+def reference(builtin_runner, builtin_model, ids, sampling=None):
+    return generate_full(
+        builtin_runner,
+        [ids],
+        max_new_tokens=NEW,
+        eos_token_ids=builtin_model.eos_token_ids,
+        sampling=SamplingParams(**(sampling or {})),
+    )[0].tokens
+
+
+def test_publish_then_remote_vericache_equals_full_kv(
+    service, tenants, document, builtin_model, builtin_runner
+):
+    doc_ids = builtin_model.encode(document)
+    with decoder(service, tenants["a"]) as client:
+        published = client.publish(
+            token_ids=doc_ids, compressors=["snapkv:budget=0.125", "kivi:bits=4"]
+        )
+        assert published.tokens == len(doc_ids)
+        assert list(published.artifacts) == ["snapkv:budget=0.125", "kivi:bits=4"]
+        question = builtin_model.encode("\n# Question: what does dedent do?\n")[1:]
+        prompt = doc_ids + question
+        cases = [
+            ("snapkv:budget=0.125", None),
+            ("kivi:bits=4", SAMPLED),
+            ("streamingllm:sink=4,window=60", None),  # no artifact yet: built once, stored
+        ]
+        for spec, sampling in cases:
+            reply = client.generate(
+                token_ids=prompt, max_new_tokens=NEW, compressor=spec, **(sampling or {})
+            )
+            want = reference(builtin_runner, builtin_model, prompt, sampling)
+            assert reply.tokens == want, spec
+            assert reply.stats["cached_tokens"] == len(doc_ids)
+            assert reply.stats["verifications"] >= 1
+            assert reply.text == builtin_model.decode(want)
+        full = client.generate(token_ids=prompt, max_new_tokens=NEW, mode="full")
+        assert full.tokens == reference(builtin_runner, builtin_model, prompt)
+    # The artifact the decoder built is in the store now, for every later worker.
+    with StoreClient(list(service.endpoints.values()), tenants["a"]) as store:
+        from decoder.store_source import kv_layout
+
+        layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
+        cached = store.lookup(doc_ids, layout)
+        assert cached.tokens == len(doc_ids)
+        assert store.fetch_artifact(cached, "streamingllm:sink=4,window=60") is not None
+
+
+def test_shared_namespace_concurrent_tenants_batch_equals_solo(
+    service, tenants, document, builtin_model, builtin_runner
+):
+    doc_ids = builtin_model.encode(document)
+    with decoder(service, tenants["a"]) as client:
+        client.publish(token_ids=doc_ids, namespace="docs", compressors=["snapkv:budget=0.125"])
+    questions = ["Summarise it.", "What is fill?", "Name two functions.", "Explain wrap."]
+    prompts = [doc_ids + builtin_model.encode(f"\n# {q}\n")[1:] for q in questions]
+    solo = []
+    with decoder(service, tenants["b"]) as client:
+        for p in prompts:
+            solo.append(client.generate(token_ids=p, max_new_tokens=NEW, namespace="docs"))
+    replies: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        token = tenants["a"] if i % 2 else tenants["b"]
+        with decoder(service, token) as client:
+            replies[i] = client.generate(token_ids=prompts[i], max_new_tokens=NEW, namespace="docs")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, p in enumerate(prompts):
+        want = reference(builtin_runner, builtin_model, p)
+        assert solo[i].tokens == want and replies[i].tokens == want
+        assert replies[i].stats["cached_tokens"] == len(doc_ids)
+    # One pulled copy served requests verifying together: less pulled than solo runs.
+    assert sum(r.stats["pulled_bytes"] for r in replies) < sum(
+        r.stats["pulled_bytes"] for r in solo
+    )
+
+
+def test_isolation_private_and_shared_prefixes(
+    service, tenants, document, builtin_model, builtin_runner
+):
+    ids = builtin_model.encode("A private preamble. " + document)
+    with decoder(service, tenants["a"]) as client:
+        client.publish(token_ids=ids[:400])
+        own = client.generate(token_ids=ids[:420], max_new_tokens=8)
+        assert own.stats["cached_tokens"] == 400
+    want = reference(builtin_runner, builtin_model, ids[:420])[:8]
+    assert own.tokens == want
+    with decoder(service, tenants["b"]) as client:  # A's private prefix: a miss for B
+        other = client.generate(token_ids=ids[:420], max_new_tokens=8)
+        assert other.stats["cached_tokens"] == 0 and other.tokens == want
+    doc_ids = builtin_model.encode(document)
+    with decoder(service, tenants["c"]) as client:  # not a member of "docs"
+        outsider = client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace="docs")
+        assert outsider.stats["cached_tokens"] == 0
+    with decoder(service, tenants["b"]) as client:
+        member = client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace="docs")
+        assert member.stats["cached_tokens"] == len(doc_ids)
+    assert member.tokens == outsider.tokens
+
+
+def test_bad_requests_get_precise_errors(service, tenants):
+    with decoder(service, "not-a-token") as client, pytest.raises(Unauthenticated):
+        client.generate(text="hello there", max_new_tokens=4)
+    with decoder(service, tenants["a"]) as client:
+        with pytest.raises(InvalidArgument, match="compressor|unknown"):
+            client.generate(text="hello there", max_new_tokens=4, compressor="zip:level=9")
+        with pytest.raises(InvalidArgument, match="max_new_tokens"):
+            client.generate(text="hello there", max_new_tokens=0)
+        with pytest.raises(InvalidArgument, match="mode"):
+            client.generate(text="hello there", max_new_tokens=4, mode="turbo")
+        with pytest.raises(InvalidArgument, match="vocabulary"):
+            client.generate(token_ids=[1, 10**7], max_new_tokens=4)
+
+
+def test_cli_publish_and_generate_endpoint(
+    service, tenants, builtin_model, builtin_runner, capsys, tmp_path
+):
+    doc = tmp_path / "doc.py"
+    doc.write_text(builtin_model.decode(builtin_model.encode(inspect.getsource(json))[:300]))
+    token = tenants["c"]
+    capsys.readouterr()
+    assert main(["publish", "--token", token, "--file", str(doc), "--json"]) == 0
+    published = json.loads(capsys.readouterr().out)
+    assert published["tokens"] == len(builtin_model.encode(doc.read_text()))
+    prompt = doc.read_text() + "\n# Usage:"
+    args = ["generate", "--endpoint", service.decoders[0], "--token", token]
+    assert (
+        main(
+            [
+                *args,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "12",
+                "--mode",
+                "vericache",
+                "--json",
+                "--seed",
+                "5",
+                "--temperature",
+                "0.7",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    ids = builtin_model.encode(prompt)
+    want = generate_full(
+        builtin_runner,
+        [ids],
+        max_new_tokens=12,
+        eos_token_ids=builtin_model.eos_token_ids,
+        sampling=SamplingParams(temperature=0.7, seed=5),
+    )[0].tokens
+    assert out["tokens"] == want and out["stats"]["mode"] == "vericache"
+    assert out["stats"]["cached_tokens"] > 0
+    assert main([*args[:3], "--prompt", "x"]) == 2  # no token
+    assert "--token is required" in capsys.readouterr().err
+
+
+def test_shard_lost_mid_request_replica_then_recompute(
+    service, tenants, document, builtin_model, builtin_runner
+):
+    doc_ids = builtin_model.encode(document)
+    prompt = doc_ids + builtin_model.encode("\n# Rewrite fill() in one line:\n")[1:]
+    want = generate_full(
+        builtin_runner, [prompt], max_new_tokens=64, eos_token_ids=builtin_model.eos_token_ids
+    )[0].tokens
+    with decoder(service, tenants["b"]) as client:
+        client.publish(token_ids=doc_ids, compressors=["snapkv:budget=0.125"])
+        for kill in ([0], [1]):  # first a replica remains; then none does (recompute)
+            reply_tokens: list[int] = []
+            stream = client.stream(
+                token_ids=prompt, max_new_tokens=64, horizon=2, reply=(reply := _Reply())
+            )
+            for piece in stream:
+                reply_tokens.extend(piece.tokens)
+                if len(reply_tokens) >= 4 and kill:
+                    for index in kill:
+                        service.kill_shard(index)
+                    kill = []
+            assert reply.tokens == want[: len(reply.tokens)] and reply.tokens == want
+        assert reply.stats["recomputed"] is True
+    service.start_shard(0)
+    service.start_shard(1)
+
+
+def _Reply():
+    from decoder.service.client import GenerateReply
+
+    return GenerateReply()

@@ -1,0 +1,186 @@
+"""The engine's scheduling levers and limits, each checked against full-KV decoding:
+shared-prefix verification (one read of each prefix layer per pass), continuous batching,
+the KV budget (admission waits; a request larger than the budget fails), prefetch, faults
+(recompute, or a clear failure with only verified tokens sent) and cancellation."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+
+from decoder.budget import OverBudget
+from decoder.engine import Cancelled, Engine, EngineConfig, Request, Unreachable, prefill_prefix
+from decoder.generate import generate_full
+from decoder.kv_source import LocalKVSource
+
+NEW = 16
+
+
+class CountingSource(LocalKVSource):
+    """Host-memory KV that counts layer reads and can start failing (a store going away)."""
+
+    def __init__(self, source: LocalKVSource, fail_after: int | None = None) -> None:
+        super().__init__(source._cache, source.length)
+        self.reads = 0
+        self.fail_after = fail_after
+
+    def read_layer(self, index, k_out, v_out) -> None:
+        if self.fail_after is not None and self.reads >= self.fail_after:
+            raise ConnectionError("shard lost")
+        self.reads += 1
+        super().read_layer(index, k_out, v_out)
+
+
+@pytest.fixture(scope="module")
+def doc(builtin_model):
+    return builtin_model.encode(inspect.getsource(textwrap))[:520]
+
+
+@pytest.fixture(scope="module")
+def suffixes(builtin_model):
+    questions = ["# What does fill do?", "# Summarise.", "# List the classes.", "# Why?"]
+    return [builtin_model.encode(f"\n{q}\n")[1:] for q in questions]
+
+
+@pytest.fixture(scope="module")
+def references(builtin_model, builtin_runner, doc, suffixes):
+    return [
+        r.tokens
+        for r in generate_full(
+            builtin_runner,
+            [doc + s for s in suffixes],
+            max_new_tokens=NEW,
+            eos_token_ids=builtin_model.eos_token_ids,
+        )
+    ]
+
+
+def fresh_prefix(runner, doc, fail_after=None):
+    prefix = prefill_prefix(runner, doc)
+    prefix.source = CountingSource(prefix.source, fail_after)
+    return prefix
+
+
+def engine(runner, model, **config) -> Engine:
+    config.setdefault("horizon", 4)
+    return Engine(runner, EngineConfig(**config), model.eos_token_ids)
+
+
+def test_one_prefix_read_per_pass_whatever_the_requests(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    prefix = fresh_prefix(builtin_runner, doc)
+    e = engine(builtin_runner, builtin_model, stagger=True)
+    e.compressed(prefix)  # build the artifact first: it reads the prefix once
+    prefix.source.reads = 0
+    results = e.run([Request(prefix, s, NEW) for s in suffixes])
+    assert [r.tokens for r in results] == references
+    passes = 1 + max(r.stats["verifications"] for r in results)  # suffix prefill + verifies
+    layers = builtin_model.config.num_layers
+    # Requests over one prefix verify together: each pass reads each layer once.
+    assert prefix.source.reads == passes * layers
+    assert all(r.stats["verifications"] == results[0].stats["verifications"] for r in results)
+
+
+def test_requests_join_while_others_decode(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    prefix = fresh_prefix(builtin_runner, doc)
+    e = engine(builtin_runner, builtin_model)
+    first = e.submit(Request(prefix, suffixes[0], NEW))
+    e.step()
+    e.step()
+    assert not first.done
+    streamed: list[int] = []
+    second = e.submit(Request(prefix, suffixes[1], NEW), on_tokens=streamed.extend)
+    while not (first.done and second.done):
+        e.step()
+    assert first.wait().tokens == references[0]
+    assert second.wait().tokens == references[1] == streamed
+
+
+@pytest.mark.parametrize("mode", ["full", "vericache"])
+def test_admission_waits_for_room_under_the_budget(
+    builtin_model, builtin_runner, doc, suffixes, references, mode
+):
+    prefixes = [fresh_prefix(builtin_runner, doc) for _ in suffixes]  # distinct prefixes
+    probe = engine(builtin_runner, builtin_model, mode=mode)
+    probe.run([Request(prefixes[0], suffixes[0], NEW)])
+    one = probe.budget.peak
+    limit = int(one * 2.5)  # room for two requests at a time, not four
+    e = engine(builtin_runner, builtin_model, mode=mode, kv_budget=limit)
+    results = e.run([Request(p, s, NEW) for p, s in zip(prefixes, suffixes, strict=True)])
+    assert [r.tokens for r in results] == references
+    assert one < e.budget.peak <= limit
+    assert max(r.stats["queue_s"] for r in results) > 0  # some waited for room
+    assert e.budget.used == 0
+
+
+def test_a_request_larger_than_the_budget_fails_clearly(builtin_model, builtin_runner, doc):
+    prefix = fresh_prefix(builtin_runner, doc)
+    e = engine(builtin_runner, builtin_model, mode="full", kv_budget=1 << 20)
+    with pytest.raises(OverBudget, match="budget is 1048576 bytes"):
+        e.run([Request(prefix, [13], NEW)])
+
+
+def test_lost_prefix_is_recomputed_bitwise(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    layers = builtin_model.config.num_layers
+    # vericache: mid-way through the first verification; full: while pulling the prefix
+    for mode, fail_after in (("vericache", layers + 7), ("full", 3)):
+        prefix = fresh_prefix(builtin_runner, doc)
+        e = engine(builtin_runner, builtin_model, mode=mode)
+        if mode != "full":
+            e.compressed(prefix)
+            prefix.source.reads = 0
+        prefix.source.fail_after = fail_after
+        results = e.run([Request(prefix, s, NEW) for s in suffixes[:2]])
+        assert [r.tokens for r in results] == references[:2], mode
+        assert all(r.stats["recomputed"] for r in results), mode
+
+
+def test_no_recompute_room_fails_unavailable_after_verified_tokens_only(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    prefix = fresh_prefix(builtin_runner, doc)
+    probe = engine(builtin_runner, builtin_model)
+    probe.compressed(prefix)
+    probe.run([Request(prefix, suffixes[0], NEW)])
+    e = engine(builtin_runner, builtin_model, kv_budget=probe.budget.peak + (1 << 20))
+    prefix.source.reads = 0
+    prefix.source.fail_after = 3 * builtin_model.config.num_layers + 5
+    sent: list[int] = []
+    ticket = e.submit(Request(prefix, suffixes[0], NEW), on_tokens=sent.extend)
+    while not ticket.done:
+        e.step()
+    with pytest.raises(Unreachable, match="unreachable .*shard lost.*no unverified token"):
+        ticket.wait()
+    assert sent and sent == references[0][: len(sent)]
+    assert e.budget.used == 0
+
+
+def test_cancelled_requests_end_and_free_their_budget(builtin_model, builtin_runner, doc):
+    prefix = fresh_prefix(builtin_runner, doc)
+    e = engine(builtin_runner, builtin_model, kv_budget=1 << 30)
+    ticket = e.submit(Request(prefix, [13], 200))
+    e.step()
+    ticket.cancel()
+    e.step()
+    with pytest.raises(Cancelled):
+        ticket.wait()
+    assert e.budget.used == 0 and not e.busy
+
+
+def test_the_next_pass_is_prefetched_while_drafting(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    prefix = fresh_prefix(builtin_runner, doc)
+    e = engine(builtin_runner, builtin_model, staging_depth=3)
+    result = e.run([Request(prefix, suffixes[2], NEW)])[0]
+    assert result.tokens == references[2]
+    stats = e.ring.stats
+    assert stats.layers >= builtin_model.config.num_layers * 2
+    assert stats.read_s > 0 and result.stats["peak_staging_bytes"] > 0
