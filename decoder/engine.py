@@ -469,8 +469,9 @@ class Engine:
         # A prefix held in local memory (prefilled here, not in the store) counts too.
         local = isinstance(group.source, LocalKVSource) and new_group
         shared = buffers + (group.source.nbytes if local else 0)
+        scratch = self._scratch_growth(group, max(group.room, capacity))
         staging = self._staging_growth(group.source.length + max(group.room, capacity))
-        need = own + shared + staging
+        need = own + shared + scratch + staging
         if not self.budget.try_reserve(need):
             held = self._ring_charged + self._scratch_charged  # it would need those too
             if self.budget.limit is not None and need + held > self.budget.limit:
@@ -485,7 +486,8 @@ class Engine:
                 self._build_shared(group, new_group)
             group.charged += shared
             group.buffers += buffers
-            self._grow_staging(staging, group.source.length + group.room)
+            self._ring_charged += staging
+            self._scratch_charged += scratch
         except BaseException:
             self.budget.release(need)
             raise
@@ -515,20 +517,26 @@ class Engine:
         if self.config.mode == "full":
             cap = ceil_to(group.source.length + room, self.runner.rc.key_chunk)
             return cap * (self._token_bytes() + 8 * self.runner.config.num_layers) - group.buffers
-        compressed = self.compressed(group.prefix)
-        c = self.runner.config
-        per_token = c.num_kv_heads * (2 * c.head_dim * 4 + 8)
+        per_token = self._draft_token_bytes()
         total = 0
-        for layer in compressed.layers:
-            if layer.quantized:
-                total += layer.nbytes
-            else:
-                total += (layer.kept + room) * per_token
-        scratch = 0
-        if any(layer.quantized for layer in compressed.layers):
-            widest = max(layer.kept for layer in compressed.layers) + room
-            scratch = max(0, widest * per_token - self._scratch_charged)
-        return total - group.buffers + scratch
+        for layer in self.compressed(group.prefix).layers:
+            total += layer.nbytes if layer.quantized else (layer.kept + room) * per_token
+        return total - group.buffers
+
+    def _scratch_growth(self, group: _Group, room: int) -> int:
+        """Budget bytes the shared decode buffer of quantized prefixes grows by."""
+        if self.config.mode == "full":
+            return 0
+        layers = self.compressed(group.prefix).layers
+        if not any(layer.quantized for layer in layers):
+            return 0
+        widest = max(layer.kept for layer in layers) + room
+        return max(0, widest * self._draft_token_bytes() - self._scratch_charged)
+
+    def _draft_token_bytes(self) -> int:
+        """Bytes of one token in one layer of a draft buffer (keys, values, positions)."""
+        c = self.runner.config
+        return c.num_kv_heads * (2 * c.head_dim * 4 + 8)
 
     def _build_shared(self, group: _Group, new_group: bool) -> None:
         if self.config.mode == "full":
@@ -540,18 +548,11 @@ class Engine:
                 self.compressed(group.prefix), c.num_kv_heads, c.head_dim, self.scratch
             )
         group.draft.ensure_room(group.room)
-        per_token = c.num_kv_heads * (2 * c.head_dim * 4 + 8)
-        if any(layer.quantized for layer in group.draft.compressed.layers):
-            widest = max(layer.kept for layer in group.draft.compressed.layers) + group.room
-            self._scratch_charged = max(self._scratch_charged, widest * per_token)
 
     def _staging_growth(self, capacity: int) -> int:
         if self.config.mode == "full":
             return 0
         return max(0, self.ring.bytes_for(capacity) - self._ring_charged)
-
-    def _grow_staging(self, growth: int, capacity: int) -> None:
-        self._ring_charged += growth
 
     def _load_resident(self, group: _Group) -> None:
         """Full mode: read the prefix's full KV into memory once, with tail room."""

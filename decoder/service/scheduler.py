@@ -81,7 +81,10 @@ class Scheduler:
                         engine.step()
                     except Exception:  # a bug: fail what is in flight, keep serving
                         log.exception("engine step failed")
-                        engine.close()
+                        try:
+                            engine.close()
+                        except Exception:
+                            log.exception("engine close failed")
 
     def _any_busy(self) -> bool:
         return any(engine.busy for engine in self._engines)

@@ -18,7 +18,7 @@ from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
 from prefix_store.config import MiB
-from prefix_store.errors import InvalidArgument, Unauthenticated
+from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
 
 NEW = 24
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
@@ -58,6 +58,12 @@ def document(builtin_model):
     return builtin_model.decode(builtin_model.encode(inspect.getsource(textwrap))[:700])
 
 
+def canonical(spec: str) -> str:
+    from decoder.compressors import parse_compressor
+
+    return parse_compressor(spec).spec
+
+
 def decoder(service, token) -> DecoderClient:
     return DecoderClient(service.decoders[0], token)
 
@@ -81,7 +87,10 @@ def test_publish_then_remote_vericache_equals_full_kv(
             token_ids=doc_ids, compressors=["snapkv:budget=0.125", "kivi:bits=4"]
         )
         assert published.tokens == len(doc_ids)
-        assert list(published.artifacts) == ["snapkv:budget=0.125", "kivi:bits=4"]
+        assert list(published.artifacts) == [
+            canonical("snapkv:budget=0.125"),
+            canonical("kivi:bits=4"),
+        ]
         question = builtin_model.encode("\n# Question: what does dedent do?\n")[1:]
         prompt = doc_ids + question
         cases = [
@@ -107,7 +116,8 @@ def test_publish_then_remote_vericache_equals_full_kv(
         layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
         cached = store.lookup(doc_ids, layout)
         assert cached.tokens == len(doc_ids)
-        assert store.fetch_artifact(cached, "streamingllm:sink=4,window=60") is not None
+        built = canonical("streamingllm:sink=4,window=60")
+        assert store.fetch_artifact(cached, built) is not None
 
 
 def test_shared_namespace_concurrent_tenants_batch_equals_solo(
@@ -158,8 +168,11 @@ def test_isolation_private_and_shared_prefixes(
         other = client.generate(token_ids=ids[:420], max_new_tokens=8)
         assert other.stats["cached_tokens"] == 0 and other.tokens == want
     doc_ids = builtin_model.encode(document)
-    with decoder(service, tenants["c"]) as client:  # not a member of "docs"
-        outsider = client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace="docs")
+    with decoder(service, tenants["c"]) as client:  # not a member: as if "docs" did not exist
+        for namespace in ("docs", "no-such-namespace"):
+            with pytest.raises(NotFound, match=f"namespace '{namespace}' not found"):
+                client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace=namespace)
+        outsider = client.generate(token_ids=doc_ids + [13], max_new_tokens=4)
         assert outsider.stats["cached_tokens"] == 0
     with decoder(service, tenants["b"]) as client:
         member = client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace="docs")
