@@ -68,7 +68,7 @@ def run_demo(config: DemoConfig) -> int:
     doc_ids = model.encode(document_text())[: config.prefix_tokens]
     private_ids = model.encode(inspect.getsource(inspect))[: max(256, config.prefix_tokens // 4)]
     home = Path(tempfile.mkdtemp(prefix="vericache-demo-"))
-    os.environ.setdefault("VERICACHE_HOME", str(home))
+    os.environ["VERICACHE_HOME"] = str(home)  # never touch a running service's state file
     serve = ServeConfig(
         shards=2,
         decoders=1,
@@ -102,8 +102,12 @@ def run_demo(config: DemoConfig) -> int:
     return 0 if vericache_ok else 1
 
 
+_PRINT = threading.Lock()
+
+
 def _progress(line: str) -> None:
-    print(line, flush=True)
+    with _PRINT:  # request threads report concurrently
+        print(line, flush=True)
 
 
 def _publish(endpoint, token, ids, namespace, compressor, say) -> None:

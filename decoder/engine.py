@@ -568,10 +568,13 @@ class Engine:
             try:
                 for index, layer in enumerate(cache.layers):
                     group.source.read_layer(index, layer.k[:, :p], layer.v[:, :p])
+                self.pulled_bytes += group.source.nbytes
             except Exception as error:
                 if not self._recompute_into(group, cache, error):
-                    raise PrefixUnavailable(group.source, error) from error
-            self.pulled_bytes += group.source.nbytes
+                    raise Unreachable(
+                        f"the prefix's full KV is unreachable ({error}) and cannot be "
+                        "recomputed here; no token was sent"
+                    ) from error
         group.resident = cache
 
     # -- exact passes -----------------------------------------------------------------------

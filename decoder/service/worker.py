@@ -171,25 +171,12 @@ class DecoderWorker:
             self._release(entry)
 
     def _stream(self, ticket, events: queue.Queue, cancelled, extra: dict) -> Iterator:
-        out: list[int] = []
-        sent = ""
-        while True:
-            try:
-                item = events.get(timeout=0.25)
-            except queue.Empty:
-                if cancelled():
-                    ticket.cancel()
-                    self.scheduler.notify()
-                continue
-            if item is _DONE:
-                break
-            out.extend(item)
-            text = self.model.decode(out)
-            if text.endswith("\ufffd"):  # an incomplete character: wait for the rest
-                piece = ""
-            else:
-                piece, sent = text[len(sent) :], text
-            yield ("tokens", item, piece)
+        try:
+            yield from self._events(ticket, events, cancelled)
+        finally:
+            if not ticket.done:  # the caller went away: stop decoding for it
+                ticket.cancel()
+                self.scheduler.notify()
         result = ticket.wait()  # raises the request's error
         stats = {
             "model": self.model.name,
@@ -199,6 +186,26 @@ class DecoderWorker:
             **extra,
         }
         yield ("done", result.stop_reason, json.dumps(stats))
+
+    def _events(self, ticket, events: queue.Queue, cancelled) -> Iterator:
+        out: list[int] = []
+        sent = ""
+        while True:
+            try:
+                item = events.get(timeout=0.25)
+            except queue.Empty:
+                if cancelled():
+                    return
+                continue
+            if item is _DONE:
+                return
+            out.extend(item)
+            text = self.model.decode(out)
+            if text.endswith("\ufffd"):  # an incomplete character: wait for the rest
+                piece = ""
+            else:
+                piece, sent = text[len(sent) :], text
+            yield ("tokens", item, piece)
 
     # -- Publish ----------------------------------------------------------------------------
 

@@ -8,17 +8,18 @@ import inspect
 import json
 import textwrap
 import threading
+import time
 
 import pytest
 
 from cluster.cli import main
-from cluster.serve import Deployment, ServeConfig
 from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
 from prefix_store.config import MiB
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
+from tests.cluster.conftest import deployed
 
 NEW = 24
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
@@ -27,19 +28,10 @@ SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
 @pytest.fixture(scope="module")
 def service(redis_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("vericache-home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VERICACHE_HOME", str(home))
-    config = ServeConfig(
-        shards=2,
-        redis_url=redis_server.url,
-        memory_bytes=512 * MiB,
-        disk_bytes=0,
-        state_dir=home / "state",
-        decoders=1,
-    )
-    with Deployment(config) as deployed:
-        yield deployed
-    mp.undo()
+    with deployed(
+        redis_server.url, home, shards=2, memory_bytes=512 * MiB, disk_bytes=0, decoders=1
+    ) as deployment:
+        yield deployment
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +170,18 @@ def test_isolation_private_and_shared_prefixes(
         member = client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace="docs")
         assert member.stats["cached_tokens"] == len(doc_ids)
     assert member.tokens == outsider.tokens
+
+
+def test_a_caller_that_goes_away_frees_the_decoder(service, tenants, document, builtin_model):
+    with decoder(service, tenants["a"]) as client:
+        stream = client.stream(token_ids=builtin_model.encode(document) + [13], max_new_tokens=400)
+        next(stream)
+        stream.close()  # cancels the call
+        deadline = time.monotonic() + 60
+        while client.info().in_flight and time.monotonic() < deadline:
+            time.sleep(0.2)
+        info = client.info()
+        assert info.in_flight == 0 and info.queued == 0 and info.kv_used == 0
 
 
 def test_bad_requests_get_precise_errors(service, tenants):

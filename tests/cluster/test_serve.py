@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from cluster.cli import main
-from cluster.serve import Deployment, ServeConfig
 from prefix_store.client import StoreClient
 from prefix_store.config import ClientConfig, MiB
 from prefix_store.layout import KVLayout
+from tests.cluster.conftest import deployed
 
 LAYOUT = KVLayout("test-model@1", "float32", num_layers=8, num_kv_heads=4, head_dim=64)
 TOKENS = list(range(7, 7 + 4096 + 100))
@@ -22,18 +22,15 @@ TOKENS = list(range(7, 7 + 4096 + 100))
 @pytest.fixture(scope="module")
 def deployment(redis_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("vericache-home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VERICACHE_HOME", str(home))
-    config = ServeConfig(
+    with deployed(
+        redis_server.url,
+        home,
         shards=2,
-        redis_url=redis_server.url,
         memory_bytes=256 * MiB,
         disk_bytes=512 * MiB,
-        state_dir=home / "state",
-    )
-    with Deployment(config) as deployed:
-        yield deployed
-    mp.undo()
+        decoders=0,
+    ) as deployment:
+        yield deployment
 
 
 def tenant(name: str, redis_url: str, capsys) -> str:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from cluster.cli import main
+from decoder.service import DecoderClient
 from prefix_store.client import StoreClient
 
 
@@ -42,13 +43,17 @@ def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, m
             lines.append(line)
             if "Ctrl-C" in line:
                 break
-        endpoint = next(x.split()[1] for x in lines if x.strip().startswith("endpoint"))
+        endpoint = next(x.split()[1] for x in lines if x.strip().startswith("store"))
+        decoder = next(x.split()[1] for x in lines if x.strip().startswith("decoder"))
         assert (tmp_path / "cluster.json").exists()
         capsys.readouterr()
         assert main(["tenant", "add", "alice"]) == 0
         token = capsys.readouterr().out.strip()
         with StoreClient(endpoint, token) as client:
             assert client.topology.tenant == "alice" and len(client.topology.shards) == 1
+        with DecoderClient(decoder, token) as client:
+            info = client.info()
+            assert info.worker_id == "decoder-0" and info.in_flight == 0
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0
         assert "shutting down" in process.stdout.read()
