@@ -21,9 +21,11 @@ Scheduling (DESIGN.md section 4): requests over one prefix share its compressed 
 verify together in one pass over one pulled copy of it; the pull of the next verification
 starts (`LayerRing.begin`) before the draft step that precedes it; rounds of requests over
 different prefixes are staggered so their verifications (and pulls) fall in different
-iterations; the horizon adapts per request. When a prefix's full KV cannot be read, the
-engine recomputes it locally if the budget allows, else fails the requests over it with
-`PrefixUnavailable`; tokens already emitted were verified, and nothing else is emitted.
+iterations while passes wait on the link, and aligned into one pass while compute is the
+bottleneck (one pass then reads the weights once for every request); the horizon adapts
+per request, shared by the requests that verify together. When a prefix's full KV cannot
+be read, the engine recomputes it locally if the budget allows, else fails the requests
+over it with `Unreachable`; tokens already emitted were verified, and nothing else is.
 
 Tokens are chosen by `decoder.sampling.Sampler`, keyed by output position, so the tokens
 of `vericache` are exactly the tokens of `full` (greedy or seeded sampling), whatever the
@@ -32,6 +34,7 @@ batch, horizon, compressor, or where the prefix KV came from.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -113,8 +116,11 @@ class EngineConfig:
     """KV bytes the engine may hold (None: unlimited); admission waits for room."""
     staging_depth: int = 2
     """Layers of full prefix KV staged (and prefetched) at once for exact passes."""
-    stagger: bool = True
-    """Spread verifications of requests over different prefixes across iterations."""
+    stagger: bool | None = None
+    """Spread verifications of requests over different prefixes across iterations (True),
+    or align every request's verification into one pass (False). None decides from
+    measurements: stagger while passes wait on the pull of the full KV (a slow link), align
+    while they do not (compute-bound: one pass reads the weights once for everyone)."""
     recompute: bool = True
     """Recompute a prefix locally when its full KV cannot be read (if the budget allows)."""
 
@@ -318,6 +324,7 @@ class Engine:
             "draft_s": 0.0,
             "draft_steps": 0,
             "verify_s": 0.0,
+            "verify_passes": 0,
             "full_s": 0.0,
             "full_steps": 0,
             "steps": 0,
@@ -694,8 +701,8 @@ class Engine:
             a.emit([a.sampler.choose(lg[-1], 0)])
             if a.draft is not None:
                 a.draft.copy_tail(a.tail, 0, len(a.tail))
-            if self.config.mode == "vericache":
-                self._plan_round(a, self._iteration)
+        if self.config.mode == "vericache":
+            self._plan_rounds([a for a in fresh if not a.done], self._iteration)
 
     def _full_step(self, live: list[_Active]) -> None:
         t0 = time.perf_counter()
@@ -728,9 +735,7 @@ class Engine:
         ready = [a for a in live if not a.done and not self._drafting(a)]
         if ready:
             self._verify(ready)
-            for a in ready:
-                if not a.done:
-                    self._plan_round(a, self._iteration + 1)
+            self._plan_rounds([a for a in ready if not a.done], self._iteration + 1)
 
     @staticmethod
     def _by_group(actives: list[_Active]) -> list[_Active]:
@@ -739,32 +744,56 @@ class Engine:
             ranks.setdefault(id(a.group), len(ranks))
         return sorted(actives, key=lambda a: ranks[id(a.group)])
 
-    def _plan_round(self, a: _Active, start: int) -> None:
-        """Choose the request's next horizon; its round drafts from iteration `start`."""
-        horizon = a.req.horizon
-        if horizon is None:
-            horizon = self.policy.choose(a.acceptance, self.costs)
+    def _plan_rounds(self, actives: list[_Active], start: int) -> None:
+        """Plan the next rounds of requests that verified (or were admitted) together.
+
+        Requests that should verify together again keep one automatic horizon (the median of
+        their own choices): the requests over one prefix always (one pulled copy serves
+        them), and all of them when verifications are aligned rather than staggered."""
+        stagger = self._staggering()
+        groups: dict[int, list[_Active]] = {}
+        for a in actives:
+            groups.setdefault(id(a.group) if stagger else 0, []).append(a)
+        for members in groups.values():
+            auto = [self.policy.choose(a.acceptance, self.costs) for a in members]
+            common = int(statistics.median(auto))
+            for a in members:
+                horizon = common if a.req.horizon is None else a.req.horizon
+                self._plan_round(a, start, horizon, stagger)
+
+    def _staggering(self) -> bool:
+        if self.config.stagger is not None:
+            return self.config.stagger
+        stats = self.ring.stats
+        verify_s = self.timers["verify_s"]
+        return verify_s > 0 and stats.stall_s > 0.1 * verify_s
+
+    def _plan_round(self, a: _Active, start: int, horizon: int, stagger: bool) -> None:
+        """Set the request's next horizon; its round drafts from iteration `start`."""
         horizon = max(0, min(horizon, a.remaining - 1))
-        if self.config.stagger and horizon > 1:
-            horizon = self._staggered(a, start, horizon)
+        if horizon > 1:
+            horizon = self._placed(a, start, horizon, stagger)
         a.horizon = horizon
         a.drafts = []
         a.verify_at = start + max(horizon, 1) - 1
 
-    def _staggered(self, a: _Active, start: int, horizon: int) -> int:
-        """Shorten a round (never lengthen it) so that it verifies together with its own
-        prefix's requests, or else in an iteration no other prefix verifies in."""
+    def _placed(self, a: _Active, start: int, horizon: int, stagger: bool) -> int:
+        """Shorten a round (never lengthen it, at most by half) so that it verifies in the
+        same pass as other requests: of its own prefix when staggering, else of any prefix;
+        when staggering, or else in an iteration no other prefix verifies in."""
         planned: dict[int, set[int]] = {}
         for other in self._active:
             if other is not a and not other.done and other.out:
                 planned.setdefault(other.verify_at, set()).add(id(other.group))
         lowest = max(1, horizon - horizon // 2)
         for h in range(horizon, lowest - 1, -1):
-            if id(a.group) in planned.get(start + h - 1, ()):
+            verifying = planned.get(start + h - 1, ())
+            if (id(a.group) in verifying) if stagger else verifying:
                 return h
-        for h in range(horizon, lowest - 1, -1):
-            if not planned.get(start + h - 1):
-                return h
+        if stagger:
+            for h in range(horizon, lowest - 1, -1):
+                if not planned.get(start + h - 1):
+                    return h
         return horizon
 
     def _drafting(self, a: _Active) -> bool:
@@ -792,6 +821,7 @@ class Engine:
         tokens = sum(len(a.drafts) + 1 for a in live)
         self.costs.record_verification(len(live), tokens, seconds)
         self.timers["verify_s"] += seconds
+        self.timers["verify_passes"] += 1
         for a, lg, before in zip(live, logits, kept, strict=True):
             if lg is None:
                 continue  # failed: its prefix is unreachable

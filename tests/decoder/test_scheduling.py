@@ -84,6 +84,23 @@ def test_one_prefix_read_per_pass_whatever_the_requests(
     assert all(r.stats["verifications"] == results[0].stats["verifications"] for r in results)
 
 
+def test_rounds_over_different_prefixes_are_staggered(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    passes = {}
+    for stagger in (False, True):
+        prefixes = [fresh_prefix(builtin_runner, doc) for _ in range(2)]  # two distinct ones
+        e = engine(builtin_runner, builtin_model, horizon=6, stagger=stagger)
+        results = e.run([Request(p, s, NEW) for p, s in zip(prefixes, suffixes, strict=False)])
+        assert [r.tokens for r in results] == references[:2]
+        verifications = [r.stats["verifications"] for r in results]
+        passes[stagger] = (e.timers["verify_passes"], max(verifications), sum(verifications))
+    together, _, _ = passes[False]
+    apart, most, total = passes[True]
+    # Staggered, their verifications fall in different passes more often than not.
+    assert together < apart <= total and most < apart
+
+
 def test_requests_join_while_others_decode(
     builtin_model, builtin_runner, doc, suffixes, references
 ):
