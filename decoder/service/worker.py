@@ -194,8 +194,8 @@ class DecoderWorker:
             try:
                 item = events.get(timeout=0.25)
             except queue.Empty:
-                if cancelled():
-                    return
+                if cancelled() or (ticket.done and events.empty()):
+                    return  # (the second: it ended before on_done was attached)
                 continue
             if item is _DONE:
                 return
