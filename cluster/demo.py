@@ -214,7 +214,7 @@ def _report(runs: list[ModeRun], work, config: DemoConfig) -> None:
     print(f"request 1 (vericache, tenant alice, shared document):\n{runs[2].replies[0].text}")
     print(
         "\nLarger: vericache demo --prefix-tokens 8000 --requests 16 --max-new-tokens 128 "
-        "(about 30 minutes on 2 cores); make bench-remote for the full comparison."
+        "(about 6 minutes on 2 cores); make bench-remote for the full comparison."
     )
     sys.stdout.flush()
 
