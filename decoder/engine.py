@@ -384,8 +384,9 @@ class Engine:
             self.step()
         return [t.wait() for t in tickets]
 
-    def step(self) -> None:
-        """Admit what fits, prefill the new requests, advance everything one iteration."""
+    def step(self) -> bool:
+        """Admit what fits, prefill the new requests, advance everything one iteration.
+        Returns False when nothing could be done (the queue waits for room)."""
         self.runner.ensure_exact_supported()
         for a in self._active:
             if a.ticket.cancelled and not a.done:
@@ -403,6 +404,7 @@ class Engine:
             }[self.config.mode](live)
             self._iteration += 1
         self._retire()
+        return bool(fresh or live)
 
     def close(self) -> None:
         """Stop the prefetch reader and fail whatever is still queued or in flight."""
@@ -437,17 +439,20 @@ class Engine:
         return tail + tail_capacity * per_token
 
     def _admit_queued(self) -> list[_Active]:
+        with self._lock:
+            cancelled = [t for t in self._queue if t.cancelled]
+            if cancelled:
+                self._queue = deque(t for t in self._queue if not t.cancelled)
+        for ticket in cancelled:
+            ticket._finish(None, Cancelled("the request was cancelled"))
+        if not self._active:
+            self._release_idle_buffers()  # a waiting request must not wait on our own staging
         fresh = []
         while True:
             with self._lock:
                 if not self._queue:
                     break
                 ticket = self._queue[0]
-            if ticket.cancelled:
-                with self._lock:
-                    self._queue.popleft()
-                ticket._finish(None, Cancelled("the request was cancelled"))
-                continue
             try:
                 active = self._try_admit(ticket)
             except Exception as error:  # this request can never run: fail it, go on
@@ -462,6 +467,14 @@ class Engine:
             self._active.append(active)
             fresh.append(active)
         return fresh
+
+    def _release_idle_buffers(self) -> None:
+        """Nothing in flight: staging and the decode scratch go back to the budget."""
+        if self._ring_charged or self._scratch_charged:
+            self.ring.drop()
+            self.scratch.drop()
+            self.budget.release(self._ring_charged + self._scratch_charged)
+            self._ring_charged = self._scratch_charged = 0
 
     def _try_admit(self, ticket: Ticket) -> _Active | None:
         req = ticket.request
@@ -480,8 +493,8 @@ class Engine:
         staging = self._staging_growth(group.source.length + max(group.room, capacity))
         need = own + shared + scratch + staging
         if not self.budget.try_reserve(need):
-            held = self._ring_charged + self._scratch_charged  # it would need those too
-            if self.budget.limit is not None and need + held > self.budget.limit:
+            # With nothing of ours in flight, `need` is what the request needs on its own.
+            if not self._active and self.budget.limit is not None and need > self.budget.limit:
                 raise OverBudget(
                     f"the request needs {need} bytes of KV but the decoder's budget is "
                     f"{self.budget.limit} bytes"
@@ -491,17 +504,18 @@ class Engine:
             if new_group or capacity > group.room:
                 group.room = max(group.room, capacity)
                 self._build_shared(group, new_group)
-            group.charged += shared
-            group.buffers += buffers
-            self._ring_charged += staging
-            self._scratch_charged += scratch
+            tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
+            draft = DraftCache(group.draft, capacity) if group.draft is not None else None
         except BaseException:
             self.budget.release(need)
             raise
+        group.charged += shared
+        group.buffers += buffers
+        self._ring_charged += staging
+        self._scratch_charged += scratch
         if new_group:
             self._groups[id(req.prefix)] = group
         group.members += 1
-        tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
         active = _Active(
             ticket,
             group,
@@ -512,8 +526,7 @@ class Engine:
             admitted=time.perf_counter(),
             timers=dict(self.timers),
         )
-        if group.draft is not None:
-            active.draft = DraftCache(group.draft, capacity)
+        active.draft = draft
         if new_group and self.config.mode == "full" and not group.local:
             active.stats["pulled_bytes"] += group.source.nbytes  # the resident copy's pull
         active.stats["compress_s"] = time.perf_counter() - t0
@@ -678,10 +691,14 @@ class Engine:
         )
         if not self.budget.try_reserve(extra):
             return False
-        if cache is None:
-            cache = self.runner.new_cache(capacity=p)
-        tokens = group.prefix.tokens[:p]
-        self.runner.forward([SeqInput.extend(cache, tokens, logits="none")], "exact")
+        try:
+            if cache is None:
+                cache = self.runner.new_cache(capacity=p)
+            tokens = group.prefix.tokens[:p]
+            self.runner.forward([SeqInput.extend(cache, tokens, logits="none")], "exact")
+        except BaseException:
+            self.budget.release(extra)
+            raise
         group.source = LocalKVSource(cache, p)
         group.charged += extra
         group.local = True
@@ -856,14 +873,8 @@ class Engine:
             if a.stop_reason != "error":
                 a.ticket._finish(self._result(a), None)
         self._active = keep
-        if not self._active and (self._ring_charged or self._scratch_charged):
-            with self._lock:
-                idle = not self._queue
-            if idle:  # nothing in flight: staging and scratch are returned to the budget
-                self.ring.drop()
-                self.scratch.drop()
-                self.budget.release(self._ring_charged + self._scratch_charged)
-                self._ring_charged = self._scratch_charged = 0
+        if not self._active:
+            self._release_idle_buffers()
 
     def _result(self, a: _Active) -> GenerationResult:
         s = a.stats

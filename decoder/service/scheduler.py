@@ -75,16 +75,21 @@ class Scheduler:
                     future.set_result(fn())
                 except BaseException as error:  # handed to the caller
                     future.set_exception(error)
+            progress = job is not None
             for engine in engines:
                 if engine.busy:
                     try:
-                        engine.step()
+                        progress |= engine.step()
                     except Exception:  # a bug: fail what is in flight, keep serving
                         log.exception("engine step failed")
                         try:
                             engine.close()
                         except Exception:
                             log.exception("engine close failed")
+            if not progress:  # every queue waits for room: sleep until something changes
+                with self._wake:
+                    if not self._jobs and not self._stopped:
+                        self._wake.wait(timeout=0.05)
 
     def _any_busy(self) -> bool:
         return any(engine.busy for engine in self._engines)

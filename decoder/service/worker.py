@@ -177,6 +177,8 @@ class DecoderWorker:
             if not ticket.done:  # the caller went away: stop decoding for it
                 ticket.cancel()
                 self.scheduler.notify()
+        if cancelled():
+            return  # nobody to tell
         result = ticket.wait()  # raises the request's error
         stats = {
             "model": self.model.name,

@@ -201,3 +201,25 @@ def test_the_next_pass_is_prefetched_while_drafting(
     stats = e.ring.stats
     assert stats.layers >= builtin_model.config.num_layers * 2
     assert stats.read_s > 0 and result.stats["peak_staging_bytes"] > 0
+
+
+def test_a_queued_request_can_be_cancelled_behind_one_waiting_for_room(
+    builtin_model, builtin_runner, doc
+):
+    prefixes = [fresh_prefix(builtin_runner, doc) for _ in range(3)]
+    probe = engine(builtin_runner, builtin_model, mode="full")
+    probe.run([Request(prefixes[0], [13], NEW)])
+    e = engine(builtin_runner, builtin_model, mode="full", kv_budget=int(probe.budget.peak * 1.5))
+    running = e.submit(Request(prefixes[0], [13], NEW))
+    e.step()
+    waiting = e.submit(Request(prefixes[1], [13], NEW))  # head of the queue: no room yet
+    behind = e.submit(Request(prefixes[2], [13], NEW))
+    behind.cancel()
+    e.step()
+    assert behind.done and not waiting.done and not running.done
+    with pytest.raises(Cancelled):
+        behind.wait()
+    while not waiting.done:
+        e.step()
+    assert running.wait().tokens == waiting.wait().tokens
+    assert e.budget.used == 0
