@@ -86,7 +86,7 @@ class DraftPrefix:
         self.compressed = compressed
         self.uid = next(_uids)
         self.prefix_length = compressed.prefix_length
-        self._shape = (kv_heads, head_dim)
+        self.shape = (kv_heads, head_dim)
         self._scratch = scratch
         self.room = 0
         self._resident: list[_Buffer | None] = [None] * len(compressed.layers)
@@ -99,7 +99,7 @@ class DraftPrefix:
         self.room = tail_capacity
         for index, layer in enumerate(self.compressed.layers):
             if not layer.quantized:
-                buf = _Buffer(*self._shape, layer.kept + tail_capacity)
+                buf = _Buffer(*self.shape, layer.kept + tail_capacity)
                 buf.fill(layer)
                 self._resident[index] = buf
 
@@ -153,7 +153,7 @@ class DraftCache:
         prefix.ensure_room(tail_capacity)
         self.prefix = prefix
         self.prefix_length = prefix.prefix_length
-        kv_heads, head_dim = prefix._shape
+        kv_heads, head_dim = prefix.shape
         self._own = [_Buffer(kv_heads, head_dim, tail_capacity) for _ in prefix.compressed.layers]
         self.tail_length = 0
         self.appended = 0  # tail length during a forward call (layers catch up one by one)

@@ -329,7 +329,6 @@ class Engine:
             "full_steps": 0,
             "steps": 0,
         }
-        self.pulled_bytes = 0
         self.peak_staging_bytes = 0
         self._queue: deque[Ticket] = deque()
         self._lock = threading.Lock()
@@ -588,7 +587,6 @@ class Engine:
             try:
                 for index, layer in enumerate(cache.layers):
                     group.source.read_layer(index, layer.k[:, :p], layer.v[:, :p])
-                self.pulled_bytes += group.source.nbytes
             except Exception as error:
                 if not self._recompute_into(group, cache, error):
                     raise Unreachable(
@@ -605,7 +603,7 @@ class Engine:
         Entries are ordered by prefix group so each prefix layer is staged once. When a
         prefix cannot be read, the pass is undone, the prefix recomputed (or its requests
         failed) and the pass retried. Returns logits per entry (None for failed ones)."""
-        order = sorted(range(len(entries)), key=self._group_rank(entries))
+        order = _grouped(range(len(entries)), lambda i: entries[i][0].group)
         result: list = [None] * len(entries)
         pending = [i for i in order if not entries[i][0].done]
         while pending:
@@ -629,19 +627,12 @@ class Engine:
             for g in groups:
                 users = [i for i in pending if entries[i][0].group is g]
                 if self.config.mode != "full":
-                    self.pulled_bytes += g.source.nbytes
                     for i in users:
                         entries[i][0].stats["pulled_bytes"] += g.source.nbytes / len(users)
             for i, lg in zip(pending, logits, strict=True):
                 result[i] = lg
             break
         return result
-
-    def _group_rank(self, entries):
-        ranks: dict[int, int] = {}
-        for a, _, _ in entries:
-            ranks.setdefault(id(a.group), len(ranks))
-        return lambda i: ranks[id(entries[i][0].group)]
 
     def _view(self, entry: tuple[_Active, list[int], Logits], groups: list[_Group]) -> SeqInput:
         a, tokens, logits = entry
@@ -756,10 +747,7 @@ class Engine:
 
     @staticmethod
     def _by_group(actives: list[_Active]) -> list[_Active]:
-        ranks: dict[int, int] = {}
-        for a in actives:
-            ranks.setdefault(id(a.group), len(ranks))
-        return sorted(actives, key=lambda a: ranks[id(a.group)])
+        return _grouped(actives, lambda a: a.group)
 
     def _plan_rounds(self, actives: list[_Active], start: int) -> None:
         """Plan the next rounds of requests that verified (or were admitted) together.
@@ -923,6 +911,16 @@ class Engine:
             )
         stats["batch_steps"] = int(self.timers["steps"] - a.timers.get("steps", 0))
         return GenerationResult(tokens=a.out, stop_reason=a.stop_reason or "length", stats=stats)
+
+
+def _grouped(items, group_of) -> list:
+    """`items` reordered so each group's items are adjacent, groups in order of first
+    appearance (a pass then stages each prefix layer once)."""
+    items = list(items)
+    ranks: dict[int, int] = {}
+    for item in items:
+        ranks.setdefault(id(group_of(item)), len(ranks))
+    return sorted(items, key=lambda item: ranks[id(group_of(item))])
 
 
 class Unreachable(Exception):
