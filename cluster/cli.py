@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from cluster import decoder_cli, store_cli
+from cluster import decoder_cli, node_cli, store_cli
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=run_demo, parse=lambda ns: ns)
     store_cli.add_commands(sub)
     decoder_cli.add_commands(sub)
+    node_cli.add_commands(sub)
     return parser
 
 

@@ -14,6 +14,10 @@ import ray
 
 from decoder.service.config import DecoderConfig
 
+DECODER_RESOURCE = "decoder"
+"""Advertised by decoder hosts (`vericache node start --decoder`); where there are any,
+decoders go only there."""
+
 
 @ray.remote(max_restarts=0, max_concurrency=4)
 class DecoderActor:
@@ -37,8 +41,8 @@ class DecoderActor:
         self.server.stop()
 
 
-def decoder_actor(config: DecoderConfig):
-    """Create (not start) a decoder actor: on a GPU node when there are any."""
-    gpus = ray.cluster_resources().get("GPU", 0)
-    options = {"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1}
-    return DecoderActor.options(**options).remote(config)
+def decoder_actor(config: DecoderConfig, gpus: bool, placement: dict | None = None):
+    """Create (not start) a decoder actor: one GPU when `gpus` (its node has some), else one
+    CPU; `placement` adds Ray options (a decoder node, a name, a detached lifetime)."""
+    options = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    return DecoderActor.options(**options, **(placement or {})).remote(config)

@@ -3,7 +3,9 @@ append-only file so tenants and namespaces survive a restart."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -31,6 +33,12 @@ def redis_binary() -> str:
         return found
 
 
+def terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent thread dies (Linux prctl)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class RedisServer:
     """One redis-server process bound to `host:port`, data in `directory`."""
@@ -38,11 +46,18 @@ class RedisServer:
     directory: Path
     host: str = "127.0.0.1"
     port: int = 0
+    password: str | None = None
+    """Required from clients when set (always, when Redis listens beyond loopback)."""
+    advertise_host: str | None = None
+    """Host clients dial, when `host` is 0.0.0.0."""
+    die_with_parent: bool = False
+    """Terminate redis-server when the process that started it dies (a Ray actor)."""
     process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.advertise_host or self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -66,13 +81,20 @@ class RedisServer:
             "--loglevel",
             "warning",
         ]
+        if self.password:
+            command += ["--requirepass", self.password]
         log = (self.directory / "redis.log").open("ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=terminate_with_parent if self.die_with_parent else None,
+        )
         self._wait_ready(timeout_s)
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -100,3 +122,25 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+def redis_actor_class():
+    """Redis as a Ray actor (a deployment's metadata plane on a cluster's head node): its
+    redis-server dies with the actor, so `ray stop` / `ray down` leave nothing behind."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class RedisActor:
+        def __init__(self, directory: str, host: str, port: int, password: str | None) -> None:
+            advertise = ray.util.get_node_ip_address() if host == "0.0.0.0" else None
+            self.server = RedisServer(
+                Path(directory), host, port, password, advertise, die_with_parent=True
+            ).start()
+
+        def url(self) -> str:
+            return self.server.url
+
+        def stop(self) -> None:
+            self.server.stop()
+
+    return RedisActor

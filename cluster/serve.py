@@ -1,31 +1,41 @@
 """`vericache serve`: the service on a Ray cluster, or the embedded default on this machine.
 
 Embedded (no Ray address): a local Ray instance, a local `redis-server`, N shard actors and
-M decoder actors. With an address: shard actors on that cluster's storage nodes, decoders
-on its GPU nodes (any node when there are none), Redis at `redis_url`.
+M decoder actors. With an address: shard actors spread across the cluster's storage nodes
+(the `storage` resource), decoders on its decoder nodes (the `decoder` resource; any node
+when there are none), on a GPU when their node has one, and Redis at `redis_url` or, without
+one, as an actor on the node running `serve` (password-protected when it listens beyond
+loopback). `detach` leaves the actors running after `serve` exits (named, in the Ray
+namespace `vericache`); `stop_detached` removes them.
 Either way the endpoints and the Redis URL are written to a state file, so that
 `vericache tenant`, `status` and clients on this machine find the service.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.decoder_actor import decoder_actor
-from cluster.redis_server import RedisServer
+from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
+from cluster.redis_server import RedisServer, redis_actor_class
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
 from decoder.service.config import DEFAULT_COMPRESSOR, DecoderConfig
 from prefix_store.config import GiB, ShardConfig
 from prefix_store.metadata import Metadata
 
 log = logging.getLogger(__name__)
+
+NAMESPACE = "vericache"
+"""Ray namespace of a deployment's actors (named `redis`, `shard-i`, `decoder-i`)."""
 
 
 def home() -> Path:
@@ -55,7 +65,9 @@ class ServeConfig:
     """Ray cluster address ("auto" on a cluster node); None = embedded on this machine."""
     shards: int = 2
     redis_url: str | None = None
-    """Existing Redis; None = start the embedded one (embedded mode only)."""
+    """Existing Redis; None = start one (a process here, or an actor on this cluster node)."""
+    redis_port: int = 0
+    """Port of the Redis this deployment starts (0 = a free one)."""
     host: str = "127.0.0.1"
     """Bind address of the shards (0.0.0.0 to be reachable from other hosts)."""
     port: int = 0
@@ -80,14 +92,16 @@ class ServeConfig:
     """Default compressor spec of the decoders."""
     decoder_threads: int | None = None
     """torch threads per decoder (None: the node's cores)."""
+    detach: bool = False
+    """Leave the service running when `serve` exits (cluster mode only)."""
 
     def __post_init__(self) -> None:
         if self.shards < 1:
             raise ValueError("shards: must be >= 1")
         if self.decoders < 0:
             raise ValueError("decoders: must be >= 0")
-        if self.address is not None and self.redis_url is None:
-            raise ValueError("redis_url: required when deploying onto a Ray cluster")
+        if self.detach and self.address is None:
+            raise ValueError("detach: needs a Ray cluster address (--address)")
         if self.replication is not None and not 1 <= self.replication <= self.shards:
             raise ValueError(f"replication: must be in [1, {self.shards}]")
 
@@ -115,11 +129,12 @@ class ServeConfig:
 
 
 class Deployment:
-    """Starts and stops the store. Use as a context manager, or start()/stop()."""
+    """Starts and stops the service. Use as a context manager, or start()/stop()."""
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.redis: RedisServer | None = None
+        self.redis_actor = None
         self.redis_url = config.redis_url
         self.actors: dict[int, object] = {}
         self.endpoints: dict[int, str] = {}
@@ -137,14 +152,13 @@ class Deployment:
             raise
 
     def _start(self) -> Deployment:
+        self._init_ray()
         if self.redis_url is None:
-            self.redis = RedisServer(Path(self.config.state_dir) / "redis").start()
-            self.redis_url = self.redis.url
+            self.redis_url = self._start_redis()
         metadata = Metadata(self.redis_url)
         metadata.ping()
         if self.config.replication:
             metadata.set_replication(self.config.replication)
-        self._init_ray()
         for index in range(self.config.shards):
             self.start_shard(index)
         for index in range(self.config.decoders):
@@ -162,21 +176,56 @@ class Deployment:
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,
+                namespace=NAMESPACE,
             )
         else:
-            ray.init(address=self.config.address, log_to_driver=False)
+            ray.init(address=self.config.address, log_to_driver=False, namespace=NAMESPACE)
         self._owns_ray = True
 
+    def _start_redis(self) -> str:
+        """A redis-server here (embedded), or an actor on this node (cluster)."""
+        directory = Path(self.config.state_dir) / "redis"
+        local = self.config.host in ("127.0.0.1", "localhost")
+        password = None if local else secrets.token_urlsafe(24)
+        if self.config.address is None:
+            self.redis = RedisServer(directory, self.config.host, self.config.redis_port, password)
+            return self.redis.start().url
+        here = ray.get_runtime_context().get_node_id()
+        self.redis_actor = (
+            redis_actor_class()
+            .options(**self._placement("redis", here))
+            .remote(str(directory), self.config.host, self.config.redis_port, password)
+        )
+        return ray.get(self.redis_actor.url.remote(), timeout=60)
+
+    def _placement(self, name: str, node_id: str | None) -> dict:
+        """Ray options pinning an actor to a node; named and detached when detaching."""
+        options = {}
+        if node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        if self.config.detach:
+            options.update(name=name, namespace=NAMESPACE, lifetime="detached")
+        return options
+
     def start_shard(self, index: int) -> str:
-        """(Re)start shard `index`; it finds its disk tier again."""
-        actor = shard_actor(self.config.shard(index), self.redis_url, name=None)
+        """(Re)start shard `index` on its storage node; it finds its disk tier again."""
+        node = spread(nodes_with(STORAGE_RESOURCE), index, "storage")
+        placement = self._placement(f"shard-{index}", node)
+        actor = shard_actor(self.config.shard(index), self.redis_url, placement)
         address = ray.get(actor.start.remote(), timeout=120)
         self.actors[index], self.endpoints[index] = actor, address
         return address
 
     def start_decoder(self, index: int) -> str:
+        """Start decoder `index` on a decoder node (any node when there are none)."""
         stores = [self.endpoints[i] for i in sorted(self.endpoints)]
-        actor = decoder_actor(self.config.decoder(index, stores))
+        nodes = nodes_with(DECODER_RESOURCE)
+        node = spread(nodes, index, "decoder") if nodes else None
+        placement = self._placement(f"decoder-{index}", node)
+        if nodes:
+            placement["resources"] = {DECODER_RESOURCE: 1}
+        gpus = any(n["Resources"].get("GPU", 0) >= 1 for n in nodes or alive_nodes())
+        actor = decoder_actor(self.config.decoder(index, stores), gpus, placement)
         address = ray.get(actor.start.remote(), timeout=300)
         self.decoder_actors[index], self.decoders[index] = actor, address
         return address
@@ -204,10 +253,13 @@ class Deployment:
             "decoders": [self.decoders[i] for i in sorted(self.decoders)],
             "redis_url": self.redis_url,
             "ray_address": self.config.address or "embedded",
+            "detached": self.config.detach,
             "started": time.time(),
             "pid": os.getpid(),
         }
         state_file().parent.mkdir(parents=True, exist_ok=True)
+        state_file().touch(mode=0o600)
+        state_file().chmod(0o600)  # the Redis URL may carry its password
         state_file().write_text(json.dumps(state, indent=2))
 
     def stop(self) -> None:
@@ -224,6 +276,11 @@ class Deployment:
                 self.stop_shard(index)
             except Exception as error:  # noqa: BLE001 - keep shutting the rest down
                 log.warning("shard %d did not stop cleanly: %s", index, error)
+        if self.redis_actor is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.redis_actor.stop.remote(), timeout=30)
+            ray.kill(self.redis_actor)
+            self.redis_actor = None
         if self._owns_ray:
             ray.shutdown()
         if self.redis is not None:
@@ -239,3 +296,43 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node["Alive"]]
+
+
+def nodes_with(resource: str) -> list[dict]:
+    """Live nodes advertising `resource`, in address order (a stable spread)."""
+    found = [n for n in alive_nodes() if n["Resources"].get(resource, 0) > 0]
+    return sorted(found, key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+
+
+def spread(nodes: list[dict], index: int, role: str) -> str:
+    """The node of the index-th actor of a role: round robin over the role's nodes."""
+    if not nodes:
+        raise RuntimeError(
+            f"the Ray cluster has no {role} nodes: start hosts with "
+            f"`vericache node start --{role} ...` (or give a node type the `{role}` resource)"
+        )
+    return nodes[index % len(nodes)]["NodeID"]
+
+
+def stop_detached(address: str) -> list[str]:
+    """Stop a detached deployment on the cluster at `address`: decoders, then shards
+    (gracefully: memory tiers persisted), then Redis. Returns the names stopped."""
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NAMESPACE]  # fmt: skip
+        order = sorted(names, key=lambda n: (not n.startswith("decoder"), n == "redis", n))
+        for name in order:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as error:  # noqa: BLE001 - keep stopping the rest
+                log.warning("%s did not stop cleanly: %s", name, error)
+            ray.kill(actor)
+        return order
+    finally:
+        ray.shutdown()

@@ -35,9 +35,8 @@ class ShardActor:
         self.server.stop()
 
 
-def shard_actor(config: ShardConfig, redis_url: str, name: str | None = None):
-    """Create (not start) a shard actor on a node with the storage resource."""
-    options = {"resources": {STORAGE_RESOURCE: 1}}
-    if name:
-        options["name"] = name
+def shard_actor(config: ShardConfig, redis_url: str, placement: dict | None = None):
+    """Create (not start) a shard actor on a node with the storage resource; `placement`
+    adds Ray options (a node, a name, a detached lifetime)."""
+    options = {"resources": {STORAGE_RESOURCE: 1}, **(placement or {})}
     return ShardActor.options(**options).remote(config, redis_url)

@@ -42,7 +42,12 @@ def add_commands(sub) -> None:
         help="Ray cluster address ('auto' on a cluster node); default: embedded on this machine",
     )
     serve.add_argument("--shards", type=int, default=2, help="store shards (default 2)")
-    serve.add_argument("--redis-url", help="existing Redis; default: start the embedded one")
+    serve.add_argument(
+        "--redis-url", help="existing Redis; default: start one (on this node, for a cluster)"
+    )
+    serve.add_argument(
+        "--redis-port", type=int, default=0, help="port of the Redis serve starts (default: free)"
+    )
     serve.add_argument(
         "--host", default="127.0.0.1", help="bind address of the shards (0.0.0.0 for other hosts)"
     )
@@ -93,7 +98,17 @@ def add_commands(sub) -> None:
         default="snapkv:budget=0.125",
         help="the decoders' default compressor spec (default: %(default)s)",
     )
+    serve.add_argument(
+        "--detach",
+        action="store_true",
+        help="with --address: leave the service running on the cluster and exit "
+        "(`vericache stop --address ...` removes it)",
+    )
     serve.set_defaults(parse=lambda ns: ns, run=run_serve)
+
+    stop = sub.add_parser("stop", help="stop a service deployed with `serve --detach`")
+    stop.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    stop.set_defaults(parse=lambda ns: ns, run=run_stop)
 
     status = sub.add_parser("status", help="shards, capacity, usage per tenant, hit rates")
     status.add_argument("--redis-url", help="default: the service started on this machine")
@@ -156,6 +171,7 @@ def run_serve(ns) -> int:
             address=ns.address,
             shards=ns.shards,
             redis_url=ns.redis_url,
+            redis_port=ns.redis_port,
             host=ns.host,
             port=ns.port,
             data_port=ns.data_port,
@@ -167,28 +183,66 @@ def run_serve(ns) -> int:
             decoder_port=ns.decoder_port,
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
+            detach=ns.detach,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from error
+    if config.detach:
+        return serve_detached(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     deployment = Deployment(config)
     try:
         deployment.start()
-        print(
-            f"vericache: {config.shards} shard(s) and {config.decoders} decoder(s) up", flush=True
-        )
-        for endpoint in deployment.endpoints.values():
-            print(f"  store    {endpoint}")
-        for endpoint in deployment.decoders.values():
-            print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
-        print(f"  redis    {deployment.redis_url}")
+        print_endpoints(deployment)
         print("  next: vericache tenant add NAME   (Ctrl-C stops the service)", flush=True)
         stop.wait()
     finally:
         print("vericache store: shutting down", flush=True)
         deployment.stop()
+    return 0
+
+
+def serve_detached(config) -> int:
+    """Deploy onto the cluster and leave it running (the `ray up` path)."""
+    import ray
+
+    from cluster.serve import Deployment
+
+    deployment = Deployment(config).start()
+    print_endpoints(deployment)
+    print(f"  next: vericache tenant add NAME   (`vericache stop --address {config.address}` "
+          "removes the service)", flush=True)  # fmt: skip
+    ray.shutdown()
+    return 0
+
+
+def print_endpoints(deployment) -> None:
+    config = deployment.config
+    print(f"vericache: {config.shards} shard(s) and {config.decoders} decoder(s) up", flush=True)
+    for endpoint in deployment.endpoints.values():
+        print(f"  store    {endpoint}")
+    for endpoint in deployment.decoders.values():
+        print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
+    redacted = re.sub(r"//:[^@]*@", "//:***@", deployment.redis_url)
+    print(f"  redis    {redacted}   (full URL in {state_path()})", flush=True)
+
+
+def state_path():
+    from cluster.serve import state_file
+
+    return state_file()
+
+
+def run_stop(ns) -> int:
+    from cluster.serve import stop_detached
+
+    stopped = stop_detached(ns.address)
+    if not stopped:
+        print("vericache: no detached service on this cluster")
+        return 1
+    print(f"vericache: stopped {', '.join(stopped)}")
     return 0
 
 

@@ -1,0 +1,143 @@
+"""`vericache node start`: start Ray on a cluster host with the resources of its role.
+
+The `ray up` configs (cluster/deploy/) run it as their start command. Roles decide where the
+service's actors land (DESIGN.md section 7): a storage host advertises the `storage`
+resource (shards go there, spread across those hosts), a decoder host advertises `decoder`
+(decoder workers go there, on its GPUs when it has some). On an on-premises cluster every
+worker runs the same start command, so the command names the storage and decoder hosts by
+address and each host finds its own role; a cloud node type advertises its role through
+Ray's own resource override instead (pass no lists).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.decoder_actor import DECODER_RESOURCE
+from cluster.store_actor import STORAGE_RESOURCE
+from prefix_store.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """One host's Ray node."""
+
+    head: bool = False
+    address: str | None = None
+    """The head's Ray address HOST:PORT (workers)."""
+    ip: str | None = None
+    """This host's address for Ray; None: the one it uses to reach the head."""
+    port: int = 6379
+    """The head's Ray (GCS) port."""
+    storage: tuple[str, ...] = ()
+    """Addresses of the storage hosts."""
+    decoder: tuple[str, ...] = ()
+    """Addresses of the decoder hosts."""
+    storage_slots: int = 8
+    """Shards a storage host may carry."""
+    num_cpus: int | None = None
+    object_store_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head == (self.address is not None):
+            raise ValueError("give either --head or --address HEAD:PORT")
+        if self.storage_slots < 1:
+            raise ValueError("--storage-slots: must be >= 1")
+        for listed in (*self.storage, *self.decoder, *([self.ip] if self.ip else [])):
+            try:
+                ipaddress.ip_address(listed)
+            except ValueError:
+                raise ValueError(f"{listed!r} is not an IP address") from None
+
+
+def add_commands(sub) -> None:
+    node = sub.add_parser("node", help="cluster hosts: start Ray with this host's role")
+    actions = node.add_subparsers(dest="action", required=True, parser_class=sub._parser_class)
+    start = actions.add_parser("start", help="start Ray on this host (a ray up start command)")
+    start.add_argument("--head", action="store_true", help="this host is the head")
+    start.add_argument("--address", help="the head's Ray address HOST:PORT (worker hosts)")
+    start.add_argument("--ip", help="this host's address (default: the one toward the head)")
+    start.add_argument("--port", type=int, default=6379, help="head: Ray port (default 6379)")
+    start.add_argument("--storage", default="", help="comma-separated storage host addresses")
+    start.add_argument("--decoder", default="", help="comma-separated decoder host addresses")
+    start.add_argument("--storage-slots", type=int, default=8, help="shards per storage host")
+    start.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
+    start.add_argument("--object-store-bytes", type=int, help="Ray object store size")
+    start.set_defaults(parse=parse_start, run=run_start)
+
+
+def parse_start(ns) -> NodeConfig:
+    try:
+        return NodeConfig(
+            head=ns.head,
+            address=ns.address,
+            ip=ns.ip,
+            port=ns.port,
+            storage=_addresses(ns.storage),
+            decoder=_addresses(ns.decoder),
+            storage_slots=ns.storage_slots,
+            num_cpus=ns.num_cpus,
+            object_store_bytes=ns.object_store_bytes,
+        )
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def node_ip(config: NodeConfig) -> str | None:
+    """This host's address: given, or the source address of a route toward the head."""
+    if config.ip or config.head:
+        return config.ip
+    host = config.address.rpartition(":")[0].strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def resources(config: NodeConfig, ip: str | None) -> dict[str, float]:
+    """The custom resources of this host's role; fails when lists are given that do not
+    name this host (a worker in no role would only run Ray)."""
+    found = {}
+    if ip in config.storage:
+        found[STORAGE_RESOURCE] = config.storage_slots
+    if ip in config.decoder:
+        found[DECODER_RESOURCE] = 1
+    if not found and (config.storage or config.decoder) and not config.head:
+        raise InvalidArgument(
+            f"this host ({ip}) is in neither --storage nor --decoder; "
+            "list it in one of them, or pass neither list"
+        )
+    return found
+
+
+def ray_start_command(config: NodeConfig, ip: str | None) -> list[str]:
+    command = [str(Path(sys.executable).parent / "ray"), "start", "--disable-usage-stats"]
+    if config.head:
+        command += ["--head", f"--port={config.port}", "--dashboard-host=0.0.0.0"]
+    else:
+        command += [f"--address={config.address}"]
+    if ip:
+        command += [f"--node-ip-address={ip}"]
+    if found := resources(config, ip):
+        command += [f"--resources={json.dumps(found)}"]
+    if config.num_cpus is not None:
+        command += [f"--num-cpus={config.num_cpus}"]
+    if config.object_store_bytes is not None:
+        command += [f"--object-store-memory={config.object_store_bytes}"]
+    return command
+
+
+def run_start(config: NodeConfig) -> int:
+    ip = node_ip(config)
+    command = ray_start_command(config, ip)
+    print("vericache node:", " ".join(command[1:]), flush=True)
+    return subprocess.run(command).returncode

@@ -1,0 +1,372 @@
+"""Several real hosts on one machine, for the multi-host tests and `make bench-cluster`.
+
+Each host is a network namespace with its own address on a bridge (veth pair), its own
+mount namespace with a private `/tmp`, `/dev/shm` and home directory, and an SSH server
+(Debian's `openssh-server`) that accepts one throwaway key. Whatever a host runs over SSH
+(Ray, Redis, the service) sees only that host's network and files, like a separate
+machine sharing this machine's read-only software. The machine itself reaches the hosts
+through the bridge's address, as an operator's laptop would.
+
+Needs root. `Testbed.close()` kills every process of every host and removes the
+namespaces, the bridge and the files, including after a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGES = {"/usr/sbin/sshd": "openssh-server", "/usr/bin/rsync": "rsync"}
+"""What the hosts need that a bare machine may lack (Ray's `ray up` uses ssh and rsync)."""
+
+SSH_OPTIONS = (
+    "-o", "StrictHostKeyChecking=no",
+    "-o", "UserKnownHostsFile=/dev/null",
+    "-o", "IdentitiesOnly=yes",
+    "-o", "LogLevel=ERROR",
+    "-o", "ConnectTimeout=10",
+)  # fmt: skip
+
+
+class TestbedUnavailable(RuntimeError):
+    """This machine cannot build hosts (not root, no namespaces, packages missing)."""
+
+    __test__ = False
+
+
+@dataclass(frozen=True, slots=True)
+class TestbedConfig:
+    """The hosts to build."""
+
+    hosts: tuple[str, ...] = ("head", "storage1", "storage2", "decoder1")
+    """Host names, in address order (.10, .11, ...)."""
+    subnet: str | None = None
+    """A free /24 such as 10.213.7.0/24; None picks an unused one under 10.213.0.0/16."""
+    root: Path = Path("/var/tmp")
+    """Where the per-host directories go (not under /tmp: each host gets its own /tmp)."""
+    carry: tuple[Path, ...] = ()
+    """Paths the hosts must see although they lie under /tmp or the home directory (the
+    project checkout, the model cache); everything else is shared as it is."""
+    shm_bytes: int = 2 << 30
+    """Size of each host's private /dev/shm (Ray's object store lives there)."""
+
+    def __post_init__(self) -> None:
+        if not self.hosts or len(set(self.hosts)) != len(self.hosts):
+            raise ValueError("hosts: give at least one, without repeats")
+        if len(self.hosts) > 40:
+            raise ValueError("hosts: at most 40")
+
+
+@dataclass
+class Host:
+    """One host: its namespaces, address and SSH server."""
+
+    name: str
+    netns: str
+    address: str
+    veth: str
+    """Its interface (inside the namespace), named eth0 there."""
+    peer: str
+    """The bridge side of its veth pair."""
+    directory: Path
+    key: Path
+    sshd: subprocess.Popen | None = None
+
+    def ssh(
+        self, command: str, timeout: float = 300, check: bool = True, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run `command` on the host through SSH in a login shell, as an operator would."""
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
+        argv = ["ssh", "-i", str(self.key), *SSH_OPTIONS, f"root@{self.address}"]
+        argv.append("bash -lc " + shlex.quote(exports + command))
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise subprocess.CalledProcessError(
+                result.returncode, command, result.stdout, result.stderr
+            )
+        return result
+
+    def enter(self) -> list[str]:
+        """A command prefix that runs a program inside this host's namespaces."""
+        return ["nsenter", "-t", str(self.sshd.pid), "-n", "-m", "--"]
+
+    def link(self, up: bool) -> None:
+        """Take the host's network link down (packets are dropped, nothing is reset) or up."""
+        _run(["ip", "-n", self.netns, "link", "set", "eth0", "up" if up else "down"])
+
+    def shape(self, rate_bytes_per_s: float | None) -> None:
+        """Limit the host's link to `rate_bytes_per_s` in both directions with a
+        token-bucket filter (`tc ... tbf`); None removes the limit."""
+        for device, ns in ((self.veth, self.netns), (self.peer, None)):
+            prefix = ["ip", "netns", "exec", ns] if ns else []
+            name = "eth0" if ns else device
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _run([*prefix, "tc", "qdisc", "del", "dev", name, "root"], quiet=True)
+            if rate_bytes_per_s is not None:
+                _run([*prefix, "tc", "qdisc", "add", "dev", name, "root", *tbf(rate_bytes_per_s)])
+
+    def processes(self) -> list[int]:
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.netns], capture_output=True, text=True
+        ).stdout
+        return [int(pid) for pid in out.split()]
+
+
+def tbf(rate_bytes_per_s: float) -> list[str]:
+    """tbf arguments for a rate: a bucket of 4 ms at that rate (at least 64 KiB, so a
+    full-size GSO segment fits) and up to 20 ms of queue."""
+    burst = max(64 << 10, int(rate_bytes_per_s * 0.004))
+    return ["tbf", "rate", f"{int(rate_bytes_per_s * 8)}bit", "burst", str(burst),
+            "latency", "20ms"]  # fmt: skip
+
+
+class Testbed:
+    """Builds the hosts of `config`; a context manager that always tears them down."""
+
+    def __init__(self, config: TestbedConfig | None = None) -> None:
+        self.config = config or TestbedConfig()
+        self.tag = f"vc{os.getpid() % 100000}"
+        self.bridge = f"{self.tag}br"
+        self.hosts: dict[str, Host] = {}
+        self.directory: Path | None = None
+        self.gateway = ""
+        self._built_bridge = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> Testbed:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> Testbed:
+        check_machine()
+        network = ipaddress.ip_network(self.config.subnet or free_subnet())
+        self.gateway = str(network.network_address + 1)
+        self.directory = Path(tempfile.mkdtemp(prefix="vericache-testbed-", dir=self.config.root))
+        self.directory.chmod(0o755)
+        key = self._keys()
+        self._bridge(network)
+        for index, name in enumerate(self.config.hosts):
+            host = self._host(name, index, str(network.network_address + 10 + index), key)
+            self.hosts[name] = host
+        for host in self.hosts.values():
+            wait_for_ssh(host)
+        return self
+
+    def close(self) -> None:
+        for host in self.hosts.values():
+            kill_all(host)
+            subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
+            subprocess.run(["ip", "link", "del", host.peer], capture_output=True)
+        self.hosts.clear()
+        if self._built_bridge:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            self._built_bridge = False
+        if self.directory is not None and not mounted_under(self.directory):
+            shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+
+    # ---- building ------------------------------------------------------------------------
+
+    def _keys(self) -> Path:
+        """A throwaway host key and client key; the client key is the only one accepted."""
+        keys = self.directory / "keys"
+        keys.mkdir()
+        for name in ("host_key", "client_key"):
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", self.tag,
+                  "-f", str(keys / name)])  # fmt: skip
+        shutil.copy(keys / "client_key.pub", keys / "authorized_keys")
+        return keys / "client_key"
+
+    def _bridge(self, network) -> None:
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        self._built_bridge = True
+        _run(["ip", "addr", "add", f"{self.gateway}/{network.prefixlen}", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+
+    def _host(self, name: str, index: int, address: str, key: Path) -> Host:
+        netns, peer = f"{self.tag}-{name}", f"{self.tag}h{index}"
+        host = Host(name, netns, address, f"{self.tag}e{index}", peer,
+                    self.directory / name, key)  # fmt: skip
+        prefix = ipaddress.ip_network(f"{self.gateway}/24", strict=False).prefixlen
+        _run(["ip", "netns", "add", netns])
+        _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", peer])
+        _run(["ip", "link", "set", peer, "master", self.bridge, "up"])
+        _run(["ip", "link", "set", host.veth, "netns", netns])
+        inside = ["ip", "-n", netns]
+        _run([*inside, "link", "set", host.veth, "name", "eth0"])
+        _run([*inside, "addr", "add", f"{address}/{prefix}", "dev", "eth0"])
+        _run([*inside, "link", "set", "eth0", "up"])
+        _run([*inside, "link", "set", "lo", "up"])
+        _run([*inside, "route", "add", "default", "via", self.gateway])
+        host.sshd = self._start_sshd(host)
+        return host
+
+    def _start_sshd(self, host: Host) -> subprocess.Popen:
+        """sshd inside the host's network namespace and a fresh mount namespace where
+        /tmp, /dev/shm and the home directory are the host's own."""
+        home, tmp = host.directory / "home", host.directory / "tmp"
+        for path in (home, tmp):
+            path.mkdir(parents=True)
+        tmp.chmod(0o1777)
+        (home / ".bashrc").write_text(f"# {host.name} (vericache testbed)\n")
+        config = host.directory / "sshd_config"
+        config.write_text(sshd_config(host, self.directory / "keys"))
+        Path("/run/sshd").mkdir(exist_ok=True)
+        script = "set -e\n" + "".join(
+            f"mkdir -p {shlex.quote(str(target))} && mount --bind {shlex.quote(str(path))} "
+            f"{shlex.quote(str(target))}\n"
+            for path, target in carried(self.config.carry, tmp, home)
+        )
+        script += (
+            f"mount --rbind {tmp} /tmp\n"
+            f"mount --rbind {home} {shlex.quote(str(Path.home()))}\n"
+            f"mount -t tmpfs -o size={self.config.shm_bytes} tmpfs /dev/shm\n"
+            f"exec /usr/sbin/sshd -D -e -f {config}\n"
+        )
+        log = (host.directory / "sshd.log").open("wb")
+        return subprocess.Popen(
+            ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation",
+             "private", "--", "sh", "-c", script],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def sshd_config(host: Host, keys: Path) -> str:
+    return "\n".join(
+        [
+            f"ListenAddress {host.address}",
+            "Port 22",
+            f"HostKey {keys / 'host_key'}",
+            f"AuthorizedKeysFile {keys / 'authorized_keys'}",
+            f"PidFile {host.directory / 'sshd.pid'}",
+            "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",
+            "PrintMotd no",
+            "MaxStartups 64:30:128",
+            "MaxSessions 64",
+            "Subsystem sftp internal-sftp",
+            "",
+        ]
+    )
+
+
+def carried(paths, tmp: Path, home: Path) -> list[tuple[Path, Path]]:
+    """(path, where it must appear inside the host's own /tmp or home) for each carried
+    path that those would otherwise hide."""
+    out = []
+    for path in (Path(p).resolve() for p in paths):
+        for hidden, own in ((Path("/tmp"), tmp), (Path.home(), home)):
+            if path.is_relative_to(hidden):
+                out.append((path, own / path.relative_to(hidden)))
+    return out
+
+
+# ---- the machine ------------------------------------------------------------------------
+
+
+def check_machine() -> None:
+    """Raise TestbedUnavailable with the reason when hosts cannot be built here."""
+    if os.geteuid() != 0:
+        raise TestbedUnavailable("needs root (network and mount namespaces)")
+    for tool in ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            raise TestbedUnavailable(f"`{tool}` is not installed")
+    probe = f"vcprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise TestbedUnavailable(f"cannot create network namespaces: {made.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    install_packages()
+
+
+def install_packages(timeout_s: float = 900) -> None:
+    """Install openssh-server and rsync with apt-get when they are missing."""
+    missing = sorted({pkg for path, pkg in PACKAGES.items() if not Path(path).exists()})
+    if not missing:
+        return
+    if shutil.which("apt-get") is None:
+        raise TestbedUnavailable(f"{', '.join(missing)} missing and no apt-get to install them")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    steps = (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+    )
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=timeout_s)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+            raise TestbedUnavailable(f"`{' '.join(step)}` failed: {' '.join(tail)}")
+
+
+def free_subnet() -> str:
+    """A /24 under 10.213.0.0/16 that no interface of this machine uses."""
+    used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    for third in range(1, 255):
+        if f"10.213.{third}." not in used:
+            return f"10.213.{third}.0/24"
+    raise TestbedUnavailable("no free /24 under 10.213.0.0/16")
+
+
+def wait_for_ssh(host: Host, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if host.sshd.poll() is not None:
+            log = (host.directory / "sshd.log").read_text(errors="replace").strip()
+            raise RuntimeError(f"sshd of {host.name} exited: {log[-500:]}")
+        result = host.ssh("true", timeout=15, check=False)
+        if result.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{host.name}: no ssh within {timeout_s} s: {result.stderr}")
+        time.sleep(0.2)
+
+
+def kill_all(host: Host) -> None:
+    """SIGKILL every process in the host's network namespace (its sshd, sessions, Ray)."""
+    for _ in range(5):
+        pids = host.processes()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    if host.sshd is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            host.sshd.wait(5)
+
+
+def mounted_under(directory: Path) -> bool:
+    """Whether anything is mounted below `directory` in this mount namespace (then it is
+    not removed: a bind of the project must never be deleted through it)."""
+    root = str(directory.resolve())
+    with open("/proc/self/mountinfo") as mounts:
+        return any(line.split()[4].startswith(root) for line in mounts)
+
+
+def _run(argv: list[str], quiet: bool = False) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        if quiet:
+            raise subprocess.CalledProcessError(done.returncode, argv, done.stdout, done.stderr)
+        raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
