@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
+import os
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from cluster.decoder_actor import DECODER_RESOURCE
 from cluster.store_actor import STORAGE_RESOURCE
@@ -43,10 +47,19 @@ class NodeConfig:
     """Shards a storage host may carry."""
     num_cpus: int | None = None
     object_store_bytes: int | None = None
+    partition_s: float = 60.0
+    """Head: how long a host may be cut off before Ray declares it dead (and kills what
+    runs there). Store clients fail over within seconds on their own; a storage host whose
+    link comes back within this time keeps its shard and its memory tier, and rejoins."""
+    autoscaling_config: str | None = None
+    """Head: the cluster config `ray up` left there (~/ray_bootstrap_config.yaml), so that
+    the head's autoscaler starts the worker hosts."""
 
     def __post_init__(self) -> None:
         if self.head == (self.address is not None):
             raise ValueError("give either --head or --address HEAD:PORT")
+        if self.partition_s <= 0:
+            raise ValueError("--partition-s: must be > 0")
         if self.storage_slots < 1:
             raise ValueError("--storage-slots: must be >= 1")
         for listed in (*self.storage, *self.decoder, *([self.ip] if self.ip else [])):
@@ -69,6 +82,15 @@ def add_commands(sub) -> None:
     start.add_argument("--storage-slots", type=int, default=8, help="shards per storage host")
     start.add_argument("--num-cpus", type=int, help="CPUs Ray may schedule (default: all)")
     start.add_argument("--object-store-bytes", type=int, help="Ray object store size")
+    start.add_argument(
+        "--partition-s",
+        type=float,
+        default=60.0,
+        help="head: seconds a host may be unreachable before Ray declares it dead (default 60)",
+    )
+    start.add_argument(
+        "--autoscaling-config", help="head: ~/ray_bootstrap_config.yaml (set by ray up)"
+    )
     start.set_defaults(parse=parse_start, run=run_start)
 
 
@@ -84,6 +106,8 @@ def parse_start(ns) -> NodeConfig:
             storage_slots=ns.storage_slots,
             num_cpus=ns.num_cpus,
             object_store_bytes=ns.object_store_bytes,
+            partition_s=ns.partition_s,
+            autoscaling_config=ns.autoscaling_config,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from None
@@ -133,11 +157,44 @@ def ray_start_command(config: NodeConfig, ip: str | None) -> list[str]:
         command += [f"--num-cpus={config.num_cpus}"]
     if config.object_store_bytes is not None:
         command += [f"--object-store-memory={config.object_store_bytes}"]
+    if config.autoscaling_config:
+        command += [f"--autoscaling-config={config.autoscaling_config}"]
     return command
+
+
+HEALTH_CHECK_PERIOD_MS = 3000
+
+
+def ray_environment(config: NodeConfig) -> dict[str, str]:
+    """The head's GCS health checks (one every 3 s, a node is dead after `partition_s` of
+    failures) and, on premises, the autoscaler that starts every listed worker host."""
+    if not config.head:
+        return {}
+    failures = max(1, math.ceil(config.partition_s * 1000 / HEALTH_CHECK_PERIOD_MS))
+    env = {
+        "RAY_health_check_period_ms": str(HEALTH_CHECK_PERIOD_MS),
+        "RAY_health_check_timeout_ms": str(HEALTH_CHECK_PERIOD_MS),
+        "RAY_health_check_failure_threshold": str(failures),
+    }
+    if provider_type(config.autoscaling_config) == "local":
+        # Ray 2.60's autoscaler v2 (the `ray up` default) counts an on-premises head as one
+        # of the workers of the provider's single node type, so one listed host never
+        # starts; v1 starts them all.
+        env["RAY_enable_autoscaler_v2"] = "0"
+    return env
+
+
+def provider_type(autoscaling_config: str | None) -> str | None:
+    if not autoscaling_config:
+        return None
+    path = Path(autoscaling_config).expanduser()
+    if not path.exists():
+        raise InvalidArgument(f"--autoscaling-config: {path} does not exist")
+    return (yaml.safe_load(path.read_text()) or {}).get("provider", {}).get("type")
 
 
 def run_start(config: NodeConfig) -> int:
     ip = node_ip(config)
     command = ray_start_command(config, ip)
     print("vericache node:", " ".join(command[1:]), flush=True)
-    return subprocess.run(command).returncode
+    return subprocess.run(command, env={**os.environ, **ray_environment(config)}).returncode

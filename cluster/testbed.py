@@ -20,6 +20,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ class TestbedConfig:
     """Where the per-host directories go (not under /tmp: each host gets its own /tmp)."""
     carry: tuple[Path, ...] = ()
     """Paths the hosts must see although they lie under /tmp or the home directory (the
-    project checkout, the model cache); everything else is shared as it is."""
+    project checkout, the model cache; the running Python's installation always is);
+    everything else is shared as it is."""
     shm_bytes: int = 2 << 30
     """Size of each host's private /dev/shm (Ray's object store lives there)."""
 
@@ -97,7 +99,9 @@ class Host:
 
     def enter(self) -> list[str]:
         """A command prefix that runs a program inside this host's namespaces."""
-        return ["nsenter", "-t", str(self.sshd.pid), "-n", "-m", "--"]
+        children = Path(f"/proc/{self.sshd.pid}/task/{self.sshd.pid}/children").read_text()
+        init = children.split()[0]  # the host's PID 1 (its sshd), forked by unshare
+        return ["nsenter", "-t", init, "-n", "-m", "-p", "-u", "-i", "--"]
 
     def link(self, up: bool) -> None:
         """Take the host's network link down (packets are dropped, nothing is reset) or up."""
@@ -156,9 +160,12 @@ class Testbed:
 
     def start(self) -> Testbed:
         check_machine()
+        sweep(self.config.root)
         network = ipaddress.ip_network(self.config.subnet or free_subnet())
         self.gateway = str(network.network_address + 1)
-        self.directory = Path(tempfile.mkdtemp(prefix="vericache-testbed-", dir=self.config.root))
+        self.directory = Path(
+            tempfile.mkdtemp(prefix=f"vericache-testbed-{self.tag}-", dir=self.config.root)
+        )
         self.directory.chmod(0o755)
         key = self._keys()
         self._bridge(network)
@@ -219,8 +226,9 @@ class Testbed:
         return host
 
     def _start_sshd(self, host: Host) -> subprocess.Popen:
-        """sshd inside the host's network namespace and a fresh mount namespace where
-        /tmp, /dev/shm and the home directory are the host's own."""
+        """sshd as PID 1 of the host: in its network namespace, and in fresh mount, PID, UTS
+        and IPC namespaces where /tmp, /dev/shm, the home directory, the process table and
+        the host name are its own (`ray stop` on one host must not see another's Ray)."""
         home, tmp = host.directory / "home", host.directory / "tmp"
         for path in (home, tmp):
             path.mkdir(parents=True)
@@ -232,9 +240,10 @@ class Testbed:
         script = "set -e\n" + "".join(
             f"mkdir -p {shlex.quote(str(target))} && mount --bind {shlex.quote(str(path))} "
             f"{shlex.quote(str(target))}\n"
-            for path, target in carried(self.config.carry, tmp, home)
+            for path, target in carried((*self.config.carry, Path(sys.base_prefix)), tmp, home)
         )
         script += (
+            f"hostname {shlex.quote(host.name)}\n"
             f"mount --rbind {tmp} /tmp\n"
             f"mount --rbind {home} {shlex.quote(str(Path.home()))}\n"
             f"mount -t tmpfs -o size={self.config.shm_bytes} tmpfs /dev/shm\n"
@@ -243,7 +252,8 @@ class Testbed:
         log = (host.directory / "sshd.log").open("wb")
         return subprocess.Popen(
             ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--propagation",
-             "private", "--", "sh", "-c", script],
+             "private", "--pid", "--fork", "--mount-proc", "--uts", "--ipc", "--",
+             "sh", "-c", script],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -354,6 +364,30 @@ def kill_all(host: Host) -> None:
     if host.sshd is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             host.sshd.wait(5)
+
+
+def sweep(root: Path) -> None:
+    """Remove what testbeds of processes that no longer exist left behind (a run that was
+    killed before it could clean up): their namespaces' processes, links and files."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in names.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        tag = ns.split("-")[0]
+        if not (tag.startswith("vc") and tag[2:].isdigit()) or _alive(int(tag[2:])):
+            continue
+        stale = Host(ns, ns, "", "", "", root, Path())
+        kill_all(stale)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)
+    for directory in root.glob("vericache-testbed-vc*-*"):
+        tag = directory.name.split("-")[2]
+        if tag[2:].isdigit() and not _alive(int(tag[2:])) and not mounted_under(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a testbed's creating process (pid modulo 100000) may still be running."""
+    return any(int(p) % 100000 == pid for p in os.listdir("/proc") if p.isdigit())
 
 
 def mounted_under(directory: Path) -> bool:

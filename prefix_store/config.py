@@ -83,10 +83,18 @@ class ClientConfig:
     data_plane: bool = True
     """Fetch over the shards' bulk data plane (OpenFetch) when they offer one; False
     streams through gRPC Fetch messages."""
+    idle_timeout_s: float = 10.0
+    """A connection with nothing moving for this long counts as lost (a dead link or host
+    drops packets without resetting anything): data-plane sockets time out, gRPC keepalive
+    pings go unanswered, and the transfer continues on a replica."""
+    quarantine_s: float = 30.0
+    """After a shard failed, transfers and calls prefer its replicas for this long."""
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.stream_timeout_s <= 0:
+        if self.timeout_s <= 0 or self.stream_timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.quarantine_s < 0:
+            raise ValueError("quarantine_s must be >= 0")
         if self.retries < 1:
             raise ValueError("retries must be >= 1")
         if self.streams < 1:

@@ -385,6 +385,9 @@ def server_options(config: ShardConfig) -> list[tuple[str, int]]:
         ("grpc.http2.lookahead_bytes", 16 << 20),
         ("grpc.http2.bdp_probe", 1),
         ("grpc.so_reuseport", 0),
+        # Clients ping every few seconds while calls are open, to find dead links fast.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 

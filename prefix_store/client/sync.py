@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -66,6 +67,10 @@ def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
         ("grpc.http2.bdp_probe", 1),
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.enable_retries", 0),
+        # A peer that stops answering is found within ~idle_timeout_s, not at the deadline.
+        ("grpc.keepalive_time_ms", int(config.idle_timeout_s * 500)),
+        ("grpc.keepalive_timeout_ms", int(config.idle_timeout_s * 500)),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -168,6 +173,8 @@ class StoreClient:
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="store-client")
         self.topology: Topology | None = None
+        self._down: dict[str, float] = {}
+        """Shards that failed recently -> until when (monotonic) to prefer their replicas."""
         self.describe()
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -199,6 +206,20 @@ class StoreClient:
 
     def _address(self, shard_id: str) -> str:
         return self.topology.shards[shard_id]
+
+    def _suspect(self, shard_id: str) -> None:
+        with self._lock:
+            self._down[shard_id] = time.monotonic() + self.config.quarantine_s
+
+    def suspects(self) -> frozenset[str]:
+        """Shards that failed within the last `quarantine_s`."""
+        now = time.monotonic()
+        with self._lock:
+            return frozenset(s for s, until in self._down.items() if until > now)
+
+    def _healthy_first(self, shard_ids: Sequence[str]) -> list[str]:
+        suspects = self.suspects()
+        return sorted(shard_ids, key=lambda shard_id: shard_id in suspects)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -232,11 +253,16 @@ class StoreClient:
     def _unary(self, shard_ids: Sequence[str], method: str, request):
         def call(shard_id: str):
             stub = self._stub(self._address(shard_id))
-            return getattr(stub, method)(
-                request, metadata=self._metadata, timeout=self.config.timeout_s
-            )
+            try:
+                return getattr(stub, method)(
+                    request, metadata=self._metadata, timeout=self.config.timeout_s
+                )
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._suspect(shard_id)
+                raise
 
-        return retrying(self.config, list(shard_ids), call)
+        return retrying(self.config, self._healthy_first(shard_ids), call)
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -367,13 +393,17 @@ class StoreClient:
     def _spread(
         self, handle: FetchHandle, chunks, layer_from: int, failed: frozenset, cause=None
     ) -> None:
-        """Start streams for `chunks` from `layer_from` on their best owners not in `failed`;
-        when none is left, fail with what the last owner said."""
+        """Start streams for `chunks` from `layer_from` on their best owners not in `failed`,
+        avoiding shards that failed recently while a replica is left; when none is left,
+        fail with what the last owner said."""
         try:
-            groups = group_by_owner(chunks, self.topology, failed)
-        except NotFound as error:
-            handle.assembly.fail(exhausted(error, failed, cause))
-            return
+            groups = group_by_owner(chunks, self.topology, failed | self.suspects())
+        except NotFound:
+            try:
+                groups = group_by_owner(chunks, self.topology, failed)
+            except NotFound as error:
+                handle.assembly.fail(exhausted(error, failed, cause))
+                return
         if layer_from >= handle.assembly.layer_end or handle.cancelled:
             return
         for shard_id, lane, part in lanes(groups, self.config.streams):
@@ -401,6 +431,8 @@ class StoreClient:
                 assembly.fail(rpc_error(error) if isinstance(error, grpc.RpcError) else error)
                 return
             log.warning("fetch: shard %s failed (%s); continuing from a replica", shard_id, cause)
+            if isinstance(cause, Unavailable):
+                self._suspect(shard_id)
             resume = assembly.first_missing_layer(chunks)
             self._spread(handle, chunks, resume, failed | {shard_id}, cause)
 
@@ -419,7 +451,7 @@ class StoreClient:
 
     def _stream_data_plane(self, handle, shard_id, request, chunks, layer_from) -> None:
         ticket = self._stub(self._address(shard_id)).OpenFetch(
-            request, metadata=self._metadata, timeout=self.config.timeout_s
+            request, metadata=self._metadata, timeout=self.config.idle_timeout_s
         )
         address = self.topology.data_addresses[shard_id]
         receive(
@@ -428,7 +460,7 @@ class StoreClient:
             handle.assembly,
             chunks,
             layer_from,
-            self.config.timeout_s,
+            self.config.idle_timeout_s,
             track=handle.track,
         )
 
