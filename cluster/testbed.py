@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -23,8 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 PACKAGES = {"/usr/sbin/sshd": "openssh-server", "/usr/bin/rsync": "rsync"}
 """What the hosts need that a bare machine may lack (Ray's `ray up` uses ssh and rsync)."""
@@ -47,6 +51,8 @@ class TestbedUnavailable(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class TestbedConfig:
     """The hosts to build."""
+
+    __test__ = False  # not a pytest class
 
     hosts: tuple[str, ...] = ("head", "storage1", "storage2", "decoder1")
     """Host names, in address order (.10, .11, ...)."""
@@ -135,6 +141,8 @@ def tbf(rate_bytes_per_s: float) -> list[str]:
 
 class Testbed:
     """Builds the hosts of `config`; a context manager that always tears them down."""
+
+    __test__ = False  # not a pytest class
 
     def __init__(self, config: TestbedConfig | None = None) -> None:
         self.config = config or TestbedConfig()
@@ -404,3 +412,99 @@ def _run(argv: list[str], quiet: bool = False) -> None:
         if quiet:
             raise subprocess.CalledProcessError(done.returncode, argv, done.stdout, done.stderr)
         raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+# ---- Ray clusters on the hosts ----------------------------------------------------------
+
+
+class LocalCluster:
+    """`ray up` of cluster/deploy/local.yaml onto testbed hosts, as an operator runs it.
+
+    The hosts share this machine's disk, so the rendered config points them at `checkout`
+    (installed already: its `make install` setup command is a no-op) instead of syncing a
+    copy; every other command of the config runs as written, with the hosts' addresses."""
+
+    def __init__(
+        self,
+        bed: Testbed,
+        checkout: Path,
+        head: str,
+        storage: Sequence[str],
+        decoder: Sequence[str] = (),
+        object_store_bytes: int = 200_000_000,
+    ) -> None:
+        self.bed, self.checkout = bed, Path(checkout)
+        self.head, self.workers = head, [*storage, *decoder]
+        self.storage, self.decoder = list(storage), list(decoder)
+        self.object_store_bytes = object_store_bytes
+        self.config = bed.directory / "cluster.yaml"
+        self.ray = str(Path(sys.executable).parent / "ray")
+
+    def render(self) -> Path:
+        config = yaml.safe_load((self.checkout / "cluster/deploy/local.yaml").read_text())
+        address = {name: host.address for name, host in self.bed.hosts.items()}
+        config["cluster_name"] = self.bed.tag
+        config["provider"].update(
+            head_ip=address[self.head], worker_ips=[address[w] for w in self.workers]
+        )
+        key = str(self.bed.hosts[self.head].key)
+        config["auth"] = {"ssh_user": "root", "ssh_private_key": key}
+        config["file_mounts"] = {}
+        roles = {
+            r"--ip \S+": f"--ip {address[self.head]}",
+            r"--storage \S+": "--storage " + ",".join(address[s] for s in self.storage),
+            r" --decoder \S+": (" --decoder " + ",".join(address[d] for d in self.decoder))
+            if self.decoder
+            else "",
+            r"vericache node start": "vericache node start --object-store-bytes "
+            f"{self.object_store_bytes}",
+            r"~/vericache|\$HOME/vericache": str(self.checkout),
+        }
+        for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
+            commands = []
+            for command in config[key]:
+                for pattern, new in roles.items():
+                    command = re.sub(pattern, new.replace("\\", "\\\\"), command)
+                commands.append(command)
+            config[key] = commands
+        workers = " ".join(config["worker_start_ray_commands"])
+        if f"--storage {','.join(address[s] for s in self.storage)}" not in workers:
+            raise ValueError("cluster/deploy/local.yaml: no `--storage` list to fill in")
+        self.config.write_text(yaml.safe_dump(config))
+        return self.config
+
+    def up(self, timeout_s: float = 600) -> None:
+        """`ray up`, then wait until every host's Ray node has joined."""
+        self.render()
+        self.cli("up", "-y", "--no-config-cache", str(self.config), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.alive_nodes() < 1 + len(self.workers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker hosts did not join within {timeout_s:.0f} s")
+            time.sleep(3)
+
+    def alive_nodes(self) -> int:
+        probe = "import ray; ray.init(address='auto'); print(sum(n['Alive'] for n in ray.nodes()))"
+        result = self.bed.hosts[self.head].ssh(
+            f'source ~/.bashrc; python -c "{probe}"', check=False
+        )
+        lines = result.stdout.strip().splitlines()
+        return int(lines[-1]) if result.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+    def exec(self, command: str, timeout_s: float = 600) -> str:
+        """`ray exec` on the head; its stdout."""
+        return self.cli("exec", str(self.config), command, timeout=timeout_s)
+
+    def down(self) -> None:
+        """`ray down`, and forget this machine's record of the cluster."""
+        subprocess.run([self.ray, "down", "-y", str(self.config)], capture_output=True,
+                       timeout=300)  # fmt: skip
+        for leftover in Path("/tmp/ray").glob(f"cluster-{self.bed.tag}.*"):
+            leftover.unlink()
+
+    def cli(self, *args: str, timeout: float) -> str:
+        done = subprocess.run([self.ray, *args], capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            detail = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            raise RuntimeError(f"ray {args[0]} failed:\n{detail}")
+        return done.stdout

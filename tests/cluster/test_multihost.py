@@ -1,29 +1,21 @@
 """The service deployed with `ray up` onto real hosts: network namespaces on this machine,
-each with its own address, SSH server, /tmp and home (cluster/testbed.py), built from
-cluster/deploy/local.yaml as an operator would use it. Needs root: runs in CI; skips with
-the reason elsewhere.
-
-The hosts share this machine's disk, so the rendered config points the hosts at this
-checkout (already installed: its `make install` setup command is a no-op) instead of
-syncing a copy; every other command of the config runs as written.
-"""
+each with its own address, SSH server, processes, /tmp and home (cluster/testbed.py), from
+cluster/deploy/local.yaml as an operator would use it (see `LocalCluster` for the one
+difference). Needs root: runs in CI; skips with the reason elsewhere."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from cluster.testbed import Testbed, TestbedConfig, TestbedUnavailable
+from cluster.testbed import LocalCluster, Testbed, TestbedConfig, TestbedUnavailable
 from decoder.generate import generate_full
 from decoder.loader import default_cache_dir
 from decoder.service.client import DecoderClient, GenerateReply
@@ -31,7 +23,6 @@ from decoder.service.client import DecoderClient, GenerateReply
 pytestmark = pytest.mark.multihost
 
 ROOT = Path(__file__).resolve().parents[2]
-RAY = str(Path(sys.executable).parent / "ray")
 HOSTS = ("head", "storage1", "storage2", "decoder1")
 NEW = 24
 SERVE = (
@@ -56,80 +47,31 @@ def testbed():
     bed.close()
 
 
-def render(bed: Testbed) -> Path:
-    """cluster/deploy/local.yaml with the testbed's addresses, key and checkout."""
-    config = yaml.safe_load((ROOT / "cluster/deploy/local.yaml").read_text())
-    head, s1, s2, d1 = (bed.hosts[name].address for name in HOSTS)
-    config["cluster_name"] = bed.tag
-    config["provider"].update(head_ip=head, worker_ips=[s1, s2, d1])
-    config["auth"] = {"ssh_user": "root", "ssh_private_key": str(bed.hosts["head"].key)}
-    config["file_mounts"] = {}
-    swaps = {
-        "~/vericache": str(ROOT),
-        "$HOME/vericache": str(ROOT),
-        "--ip 10.0.0.10": f"--ip {head}",
-        "--storage 10.0.0.11,10.0.0.12": f"--storage {s1},{s2}",
-        "--decoder 10.0.0.13": f"--decoder {d1}",
-        "vericache node start": "vericache node start --object-store-bytes 200000000",
-    }
-    for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
-        commands = []
-        for command in config[key]:
-            for old, new in swaps.items():
-                command = command.replace(old, new)
-            commands.append(command)
-        config[key] = commands
-    assert sum("vericache node start" in c for c in config["worker_start_ray_commands"]) == 1
-    assert f"--storage {s1},{s2}" in config["worker_start_ray_commands"][-1]
-    path = bed.directory / "cluster.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def ray_cli(*args: str, timeout: float = 600) -> str:
-    done = subprocess.run([RAY, *args], capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, (
-        f"ray {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    )
-    return done.stdout
-
-
-def alive_nodes(bed: Testbed) -> int:
-    probe = "import ray; ray.init(address='auto'); print(sum(n['Alive'] for n in ray.nodes()))"
-    result = bed.hosts["head"].ssh(f'source ~/.bashrc; python -c "{probe}"', check=False)
-    lines = result.stdout.strip().splitlines()
-    return int(lines[-1]) if result.returncode == 0 and lines and lines[-1].isdigit() else 0
-
-
 @pytest.fixture(scope="module")
 def cluster(testbed):
-    """`ray up`, then the service deployed with `ray exec ... serve --detach`; `ray down` at
-    the end. Yields (config path, store endpoints, decoder endpoint)."""
-    config = render(testbed)
+    """`ray up` (cluster/deploy/local.yaml), then the service deployed with `ray exec ...
+    serve --detach`; `ray down` at the end. Yields (cluster, store endpoints, decoder)."""
+    ray_cluster = LocalCluster(
+        testbed, ROOT, head="head", storage=["storage1", "storage2"], decoder=["decoder1"]
+    )
     try:
-        ray_cli("up", "-y", "--no-config-cache", str(config))
-        deadline = time.monotonic() + 300
-        while alive_nodes(testbed) < len(HOSTS):
-            assert time.monotonic() < deadline, "the worker hosts did not join within 300 s"
-            time.sleep(3)
-        out = ray_cli("exec", str(config), SERVE)
+        ray_cluster.up()
+        out = ray_cluster.exec(SERVE)
         stores = re.findall(r"store\s+(\S+:\d+)", out)
         decoders = re.findall(r"decoder\s+(\S+:\d+)", out)
         assert len(stores) == 2 and len(decoders) == 1, out
-        yield config, stores, decoders[0]
+        yield ray_cluster, stores, decoders[0]
     finally:
-        subprocess.run([RAY, "down", "-y", str(config)], capture_output=True, timeout=300)
-        for leftover in Path("/tmp/ray").glob(f"cluster-{testbed.tag}.*"):
-            leftover.unlink()  # `ray up`'s record of the cluster on this machine
+        ray_cluster.down()
 
 
-def on_head(config: Path, command: str) -> str:
-    return ray_cli("exec", str(config), command)
-
-
-def tenant(config: Path, name: str) -> str:
-    out = on_head(config, f"vericache tenant add {name}")
+def tenant(cluster: LocalCluster, name: str) -> str:
+    out = cluster.exec(f"vericache tenant add {name}")
     return [line for line in out.split() if re.fullmatch(r"[A-Za-z0-9_\-]{20,}", line)][-1]
+
+
+def first_json(text: str):
+    return json.JSONDecoder().raw_decode(text[text.index("{") :])[0]
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +96,15 @@ def test_ray_up_places_the_service_on_its_hosts(testbed, cluster):
 def test_publish_on_one_host_generate_on_others(
     testbed, cluster, document, builtin_model, builtin_runner
 ):
-    config, _, decoder = cluster
-    token = tenant(config, "alice")
+    ray_cluster, _, decoder = cluster
+    token = tenant(ray_cluster, "alice")
     head, other = testbed.hosts["head"], testbed.hosts["storage2"]
     (head.directory / "tmp" / "doc.txt").write_text(document)
     published = head.ssh(
         f"source ~/.bashrc; vericache publish --endpoint {decoder} --token {token} "
         "--file /tmp/doc.txt --compressor snapkv:budget=0.125 --json"
     )
-    assert json.loads(published.stdout.strip().splitlines()[-1])["tokens"] > 1000
+    assert first_json(published.stdout)["tokens"] > 1000
 
     question = "\n# Question: what does dedent do?\n"
     prompt_ids = builtin_model.encode(document + question)
@@ -177,19 +119,18 @@ def test_publish_on_one_host_generate_on_others(
         f"source ~/.bashrc; vericache generate --endpoint {decoder} --token {token} "
         f"--prompt-file /tmp/prompt.txt --max-new-tokens {NEW} --mode vericache --json"
     )
-    assert json.loads(out.stdout.strip().splitlines()[-1])["tokens"] == want
+    assert first_json(out.stdout)["tokens"] == want
 
 
-def live_shards(config: Path) -> int:
-    status = json.loads(on_head(config, "vericache status --json").strip().splitlines()[-1])
-    return len(status["shards"])
+def live_shards(cluster: LocalCluster) -> int:
+    return len(first_json(cluster.exec("vericache status --json"))["shards"])
 
 
 def test_storage_link_down_mid_request_replica_then_rejoin(
     testbed, cluster, document, builtin_model, builtin_runner
 ):
-    config, _, decoder = cluster
-    token = tenant(config, "bob")
+    ray_cluster, _, decoder = cluster
+    token = tenant(ray_cluster, "bob")
     doc_ids = builtin_model.encode(document)
     prompt = doc_ids + builtin_model.encode("\n# Rewrite fill() in one line:\n")[1:]
     want = reference(builtin_runner, builtin_model, prompt, new=48)
@@ -211,7 +152,7 @@ def test_storage_link_down_mid_request_replica_then_rejoin(
         assert reply.stats["recomputed"] is False  # the replica served it
 
         deadline = time.monotonic() + 90
-        while live_shards(config) < 2:  # heartbeats resume: the shard rejoins
+        while live_shards(ray_cluster) < 2:  # heartbeats resume: the shard rejoins
             assert time.monotonic() < deadline, "storage1's shard did not rejoin within 90 s"
             time.sleep(2)
         again = client.generate(token_ids=prompt, max_new_tokens=48)

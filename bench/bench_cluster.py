@@ -1,0 +1,196 @@
+"""Remote prefix caching with the store on other hosts, behind shaped links.
+
+Real hosts on this machine (cluster/testbed.py: network namespaces with their own
+addresses, SSH servers, processes and files): `head` (Ray head, Redis) and `storage1`,
+`storage2` (one store shard each, replication 2), set up with `ray up` of
+cluster/deploy/local.yaml and `vericache serve --detach --decoders 0` as an operator would.
+The decoder worker runs in this process, outside the storage hosts: every byte it pulls
+crosses a storage host's link, limited with a `tc` token bucket in both directions to each
+`--links` speed in turn (1.2 GB/s: the paper's remote-storage bandwidth; 1 Gbit/s).
+
+Workload: bench_remote's shared one (one `--shared-tokens` prefix of real Python source,
+`--requests` concurrent requests with different suffixes, `--max-new-tokens` each), full-KV
+baseline vs VeriCache, side by side per link. The baseline pulls the prefix once and keeps
+it resident; VeriCache pulls it for every verification pass, layer by layer into its
+staging ring, the first layers while it still drafts.
+
+Columns: aggregate tokens/s and its ratio to the baseline on the same link; p50/p95
+latency; accepted tokens per verification; bytes pulled per generated token; the pull
+rate achieved while pulling; and "hidden": the share of VeriCache's pull time that
+verification passes did not wait for (1 - stall / pull time), i.e. that overlapped
+drafting or earlier layers' compute. A raw fetch of the whole prefix KV measures each
+shaped link first. Times are medians over `--repeats` runs.
+
+Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 2]
+       [--links 1.2GB/s 1Gbit/s] [--out bench/results/cluster.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_remote import _finish_row, _measure, _publish, _server, source_text, suffix  # noqa: E402
+
+from cluster.testbed import LocalCluster, Testbed, TestbedConfig  # noqa: E402
+from decoder.loader import default_cache_dir, load_model  # noqa: E402
+from prefix_store.client import StoreClient  # noqa: E402
+from prefix_store.layout import KVLayout  # noqa: E402
+
+LINKS = {"1.2GB/s": 1.2e9, "1Gbit/s": 125e6, "unshaped": None}
+"""Link speeds in bytes/s (None: no limit, the bridge as fast as this machine moves it)."""
+SERVE = (
+    "vericache serve --address auto --detach --host 0.0.0.0 --shards 2 --decoders 0 "
+    "--port 7000 --data-port 7100 --redis-port 6380 --memory-bytes 4GiB --disk-bytes 0"
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--links", nargs="+", default=["1.2GB/s", "1Gbit/s"], choices=list(LINKS))
+    ap.add_argument("--shared-tokens", type=int, default=8000)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--compressor", default="snapkv:budget=0.125")
+    ap.add_argument("--modes", nargs="+", default=["full", "vericache"])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/cluster.json")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        ap.error("needs root: the hosts are network namespaces and the links are shaped with tc")
+    model = load_model()
+    if args.shared_tokens + 32 + args.max_new_tokens > model.config.max_position_embeddings:
+        ap.error("prefix + suffix + new tokens exceed the model's context")
+
+    hosts = ("head", "storage1", "storage2")
+    bed_config = TestbedConfig(hosts=hosts, carry=(ROOT, default_cache_dir()), shm_bytes=4 << 30)
+    rows, probes = [], []
+    with Testbed(bed_config) as bed:
+        cluster = LocalCluster(bed, ROOT, head="head", storage=["storage1", "storage2"],
+                               object_store_bytes=500_000_000)  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            cluster.up()
+            out = cluster.exec(SERVE)
+            stores = tuple(re.findall(r"store\s+(\S+:\d+)", out))
+            print(f"cluster up with shards at {', '.join(stores)} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)  # fmt: skip
+            token = cluster.exec("vericache tenant add bench").split()[-1]
+            prefix = model.encode(source_text(0))[: args.shared_tokens]
+            prompts = [prefix + suffix(model, i) for i in range(args.requests)]
+            publisher = _server(stores, None, model)
+            try:
+                _publish(publisher, token, [prefix], args.compressor)
+            finally:
+                publisher.stop()
+            for link in args.links:
+                shape(bed, LINKS[link])
+                probes.append(probe(stores, token, model, prefix, link))
+                reference = None
+                for mode in args.modes:
+                    row = _measure(stores, token, model, prompts, mode, None, args)
+                    row.update(link=link, link_bytes_per_s=LINKS[link])
+                    reference = row if mode == "full" else reference
+                    _finish_row(row, reference)
+                    add_pull_columns(row)
+                    rows.append(row)
+                    print(fmt_row(row), flush=True)
+        finally:
+            shape(bed, None)
+            cluster.down()
+    print_tables(probes, rows)
+    write(args, model, probes, rows)
+    return 0
+
+
+def shape(bed: Testbed, rate: float | None) -> None:
+    for name in ("storage1", "storage2"):
+        bed.hosts[name].shape(rate)
+
+
+def probe(stores, token, model, prefix, link: str) -> dict:
+    """A raw fetch of the whole prefix KV from both shards over the shaped links."""
+    import torch
+
+    c = model.config
+    layout = KVLayout(model.name, "float32", c.num_layers, c.num_kv_heads, c.head_dim)
+    with StoreClient(list(stores), token) as client:
+        cached = client.lookup(prefix, layout)
+        k = torch.empty(c.num_layers, c.num_kv_heads, cached.tokens, c.head_dim)
+        v = torch.empty_like(k)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            nbytes = client.fetch_layers(cached, k, v)
+            times.append(time.perf_counter() - t)
+    seconds = sorted(times)[1]
+    found = {"link": link, "bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
+    print(f"{link}: whole-prefix fetch {nbytes / 1e6:.0f} MB in {seconds:.2f}s = "
+          f"{found['gb_per_s']:.2f} GB/s", flush=True)  # fmt: skip
+    return found
+
+
+def add_pull_columns(row: dict) -> None:
+    """Pull rate while pulling and the share of pull time hidden from verification."""
+    fetch_s, stall_s = row.get("fetch_s", 0.0), row.get("fetch_stall_s", 0.0)
+    row["hidden"] = max(0.0, 1 - stall_s / fetch_s) if fetch_s > 0 else None
+    row["stall_s"] = stall_s
+
+
+HEADER = (
+    f"{'link':9s} {'mode':9s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} {'p95 s':>6s} "
+    f"{'acc/ver':>7s} {'pulled/tok':>10s} {'pull s':>7s} {'stall s':>7s} {'hidden':>6s} identical"
+)
+
+
+def fmt_row(row: dict) -> str:
+    ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
+    vericache = row["mode"] == "vericache"
+    acc = f"{row['accepted_per_verification']:.2f}" if vericache else "-"
+    hidden = f"{row['hidden']:.0%}" if vericache and row["hidden"] is not None else "-"
+    pull = f"{row['fetch_s']:7.1f}" if vericache else f"{'-':>7s}"
+    stall = f"{row['stall_s']:7.1f}" if vericache else f"{'-':>7s}"
+    pulled = row["pulled_per_token"]
+    pulled_text = f"{pulled / 1e6:.1f}MB" if pulled >= 1e5 else f"{pulled / 1e3:.1f}KB"
+    return (
+        f"{row['link']:9s} {row['mode']:9s} {row['tokens_per_s']:7.2f} {ratio:>7s} "
+        f"{row['p50_s']:6.1f} {row['p95_s']:6.1f} {acc:>7s} {pulled_text:>10s} {pull} {stall} "
+        f"{hidden:>6s} {row['identical'] or 'reference'}"
+    )
+
+
+def print_tables(probes: list[dict], rows: list[dict]) -> None:
+    print("\nlink      whole-prefix fetch")
+    for p in probes:
+        print(f"{p['link']:9s} {p['bytes'] / 1e6:.0f} MB in {p['seconds']:.2f}s = "
+              f"{p['gb_per_s']:.2f} GB/s")  # fmt: skip
+    print("\n" + HEADER)
+    print("-" * len(HEADER))
+    for row in rows:
+        print(fmt_row(row))
+
+
+def write(args, model, probes, rows) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": model.name,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    args.out.write_text(json.dumps({"meta": meta, "links": probes, "rows": rows}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
