@@ -1,5 +1,5 @@
 # Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
-# bench-remote.
+# bench-remote, bench-cluster.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 
 .PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
-	bench-remote clean
+	bench-remote bench-cluster clean
 
 install: $(STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -28,7 +28,9 @@ demo: install
 	$(VENV)/bin/vericache demo
 
 # The full per-compressor losslessness matrix (`slow`) takes ~20 more minutes on 2 cores:
-# it runs with `make test-all`; `make test` (CI) runs SnapKV's full matrix and the rest.
+# it runs with `make test-all`; `make test` (CI) runs SnapKV's full matrix and the rest,
+# including the `multihost` tests (root: real hosts in network namespaces; they skip,
+# saying why, without root).
 test: install
 	$(PY) -m pytest -m "not slow"
 
@@ -61,6 +63,11 @@ bench-store: install
 # about 30 minutes on 2 cores.
 bench-remote: install
 	$(PY) bench/bench_remote.py
+
+# The shared-prefix workload with the store on other hosts (network namespaces set up with
+# `ray up`) behind tc-shaped links of 1.2 GB/s and 1 Gbit/s. Needs root; ~25 minutes.
+bench-cluster: install
+	$(PY) bench/bench_cluster.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -3,10 +3,12 @@
 Real hosts on this machine (cluster/testbed.py: network namespaces with their own
 addresses, SSH servers, processes and files): `head` (Ray head, Redis) and `storage1`,
 `storage2` (one store shard each, replication 2), set up with `ray up` of
-cluster/deploy/local.yaml and `vericache serve --detach --decoders 0` as an operator would.
-The decoder worker runs in this process, outside the storage hosts: every byte it pulls
-crosses a storage host's link, limited with a `tc` token bucket in both directions to each
-`--links` speed in turn (1.2 GB/s: the paper's remote-storage bandwidth; 1 Gbit/s).
+cluster/local.yaml and `vericache serve --detach --decoders 0` as an operator would.
+The decoder worker runs in this process, on this machine, outside the storage hosts: every
+byte it pulls crosses its own link to them (a veth pair onto the hosts' bridge), limited
+with a `tc` token bucket in both directions to each `--links` speed in turn (1.2 GB/s: the
+paper's remote-storage bandwidth; 1 Gbit/s). The storage hosts' own links are not limited:
+the decoder's link to remote storage is the bottleneck being emulated.
 
 Workload: bench_remote's shared one (one `--shared-tokens` prefix of real Python source,
 `--requests` concurrent requests with different suffixes, `--max-new-tokens` each), full-KV
@@ -44,8 +46,8 @@ from bench_remote import _finish_row, _measure, _publish, _server, source_text, 
 
 from cluster.testbed import LocalCluster, Testbed, TestbedConfig  # noqa: E402
 from decoder.loader import default_cache_dir, load_model  # noqa: E402
+from decoder.store_source import kv_layout  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
-from prefix_store.layout import KVLayout  # noqa: E402
 
 LINKS = {"1.2GB/s": 1.2e9, "1Gbit/s": 125e6, "unshaped": None}
 """Link speeds in bytes/s (None: no limit, the bridge as fast as this machine moves it)."""
@@ -94,7 +96,7 @@ def main() -> int:
             finally:
                 publisher.stop()
             for link in args.links:
-                shape(bed, LINKS[link])
+                bed.shape(LINKS[link])  # the decoder's link to the store
                 probes.append(probe(stores, token, model, prefix, link))
                 reference = None
                 for mode in args.modes:
@@ -106,24 +108,20 @@ def main() -> int:
                     rows.append(row)
                     print(fmt_row(row), flush=True)
         finally:
-            shape(bed, None)
+            bed.shape(None)
             cluster.down()
     print_tables(probes, rows)
     write(args, model, probes, rows)
     return 0
 
 
-def shape(bed: Testbed, rate: float | None) -> None:
-    for name in ("storage1", "storage2"):
-        bed.hosts[name].shape(rate)
-
-
 def probe(stores, token, model, prefix, link: str) -> dict:
-    """A raw fetch of the whole prefix KV from both shards over the shaped links."""
+    """A raw fetch of the whole prefix KV from both shards over the shaped link (the
+    median of three)."""
     import torch
 
     c = model.config
-    layout = KVLayout(model.name, "float32", c.num_layers, c.num_kv_heads, c.head_dim)
+    layout = kv_layout(c, model.fingerprint)  # as the decoder stores it
     with StoreClient(list(stores), token) as client:
         cached = client.lookup(prefix, layout)
         k = torch.empty(c.num_layers, c.num_kv_heads, cached.tokens, c.head_dim)

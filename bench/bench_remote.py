@@ -6,10 +6,11 @@ client, concurrently, each with a tenant token. Every mode uses the same decoder
 model, same KV budget accounting) and the same store.
 
 Workloads (prefixes are real Python source, published once with their compressed artifact):
-- shared: one `--shared-tokens` (8000: 8K within the model's 8192-token context) prefix, `--shared-requests` (16) requests with
-  different suffixes, `--max-new-tokens` (128) each. The full-KV baseline pulls the prefix
-  once and keeps that copy resident, shared by all requests (as prefix-caching engines do);
-  VeriCache keeps the compressed copy and pulls the full one for each verification.
+- shared: one `--shared-tokens` (8000: 8K within the model's 8192-token context) prefix,
+  `--shared-requests` (16) requests with different suffixes, `--max-new-tokens` (128) each.
+  The full-KV baseline pulls the prefix once and keeps that copy resident, shared by all
+  requests (as prefix-caching engines do); VeriCache keeps the compressed copy and pulls
+  the full one for each verification.
 - distinct: `--distinct-requests` (8) requests, each with its own `--distinct-tokens` (4K)
   prefix, under the KV budgets at which the full-KV baseline holds 2, 4 and all 8 requests
   at once; VeriCache runs under the same budgets.

@@ -1,6 +1,6 @@
 """`vericache node start`: start Ray on a cluster host with the resources of its role.
 
-The `ray up` configs (cluster/deploy/) run it as their start command. Roles decide where the
+The `ray up` configs (cluster/) run it as their start command. Roles decide where the
 service's actors land (DESIGN.md section 7): a storage host advertises the `storage`
 resource (shards go there, spread across those hosts), a decoder host advertises `decoder`
 (decoder workers go there, on its GPUs when it has some). On an on-premises cluster every

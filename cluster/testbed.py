@@ -116,19 +116,22 @@ class Host:
     def shape(self, rate_bytes_per_s: float | None) -> None:
         """Limit the host's link to `rate_bytes_per_s` in both directions with a
         token-bucket filter (`tc ... tbf`); None removes the limit."""
-        for device, ns in ((self.veth, self.netns), (self.peer, None)):
-            prefix = ["ip", "netns", "exec", ns] if ns else []
-            name = "eth0" if ns else device
-            with contextlib.suppress(subprocess.CalledProcessError):
-                _run([*prefix, "tc", "qdisc", "del", "dev", name, "root"], quiet=True)
-            if rate_bytes_per_s is not None:
-                _run([*prefix, "tc", "qdisc", "add", "dev", name, "root", *tbf(rate_bytes_per_s)])
+        shape_link(["ip", "netns", "exec", self.netns], "eth0", self.peer, rate_bytes_per_s)
 
     def processes(self) -> list[int]:
         out = subprocess.run(
             ["ip", "netns", "pids", self.netns], capture_output=True, text=True
         ).stdout
         return [int(pid) for pid in out.split()]
+
+
+def shape_link(inside: list[str], device: str, peer: str, rate: float | None) -> None:
+    """tbf on both ends of a veth pair: `device` (run through `inside`) and `peer` (here)."""
+    for prefix, name in ((inside, device), ([], peer)):
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _run([*prefix, "tc", "qdisc", "del", "dev", name, "root"], quiet=True)
+        if rate is not None:
+            _run([*prefix, "tc", "qdisc", "add", "dev", name, "root", *tbf(rate)])
 
 
 def tbf(rate_bytes_per_s: float) -> list[str]:
@@ -151,6 +154,9 @@ class Testbed:
         self.hosts: dict[str, Host] = {}
         self.directory: Path | None = None
         self.gateway = ""
+        """This machine's address on the hosts' network (its own link, `uplink`)."""
+        self.uplink = (f"{self.tag}gw", f"{self.tag}gwp")
+        """This machine's veth pair to the bridge: (its end, the bridge's end)."""
         self._built_bridge = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -191,6 +197,7 @@ class Testbed:
             subprocess.run(["ip", "link", "del", host.peer], capture_output=True)
         self.hosts.clear()
         if self._built_bridge:
+            subprocess.run(["ip", "link", "del", self.uplink[0]], capture_output=True)
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             self._built_bridge = False
         if self.directory is not None and not mounted_under(self.directory):
@@ -210,10 +217,22 @@ class Testbed:
         return keys / "client_key"
 
     def _bridge(self, network) -> None:
+        """The hosts' switch, and this machine's own link to it (a veth pair, like the
+        hosts', so that its traffic can be shaped too)."""
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self._built_bridge = True
-        _run(["ip", "addr", "add", f"{self.gateway}/{network.prefixlen}", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
+        end, port = self.uplink
+        _run(["ip", "link", "add", end, "type", "veth", "peer", "name", port])
+        _run(["ip", "link", "set", port, "master", self.bridge, "up"])
+        _run(["ip", "addr", "add", f"{self.gateway}/{network.prefixlen}", "dev", end])
+        _run(["ip", "link", "set", end, "up"])
+
+    def shape(self, rate_bytes_per_s: float | None) -> None:
+        """Limit this machine's own link to the hosts (everything a process here sends to
+        or receives from them) in both directions; None removes the limit."""
+        end, port = self.uplink
+        shape_link([], end, port, rate_bytes_per_s)
 
     def _host(self, name: str, index: int, address: str, key: Path) -> Host:
         netns, peer = f"{self.tag}-{name}", f"{self.tag}h{index}"
@@ -386,6 +405,7 @@ def sweep(root: Path) -> None:
         stale = Host(ns, ns, "", "", "", root, Path())
         kill_all(stale)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}gw"], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)
     for directory in root.glob("vericache-testbed-vc*-*"):
         tag = directory.name.split("-")[2]
@@ -418,7 +438,7 @@ def _run(argv: list[str], quiet: bool = False) -> None:
 
 
 class LocalCluster:
-    """`ray up` of cluster/deploy/local.yaml onto testbed hosts, as an operator runs it.
+    """`ray up` of cluster/local.yaml onto testbed hosts, as an operator runs it.
 
     The hosts share this machine's disk, so the rendered config points them at `checkout`
     (installed already: its `make install` setup command is a no-op) instead of syncing a
@@ -441,7 +461,7 @@ class LocalCluster:
         self.ray = str(Path(sys.executable).parent / "ray")
 
     def render(self) -> Path:
-        config = yaml.safe_load((self.checkout / "cluster/deploy/local.yaml").read_text())
+        config = yaml.safe_load((self.checkout / "cluster/local.yaml").read_text())
         address = {name: host.address for name, host in self.bed.hosts.items()}
         config["cluster_name"] = self.bed.tag
         config["provider"].update(
@@ -469,7 +489,7 @@ class LocalCluster:
             config[key] = commands
         workers = " ".join(config["worker_start_ray_commands"])
         if f"--storage {','.join(address[s] for s in self.storage)}" not in workers:
-            raise ValueError("cluster/deploy/local.yaml: no `--storage` list to fill in")
+            raise ValueError("cluster/local.yaml: no `--storage` list to fill in")
         self.config.write_text(yaml.safe_dump(config))
         return self.config
 

@@ -1,6 +1,6 @@
 """The service deployed with `ray up` onto real hosts: network namespaces on this machine,
 each with its own address, SSH server, processes, /tmp and home (cluster/testbed.py), from
-cluster/deploy/local.yaml as an operator would use it (see `LocalCluster` for the one
+cluster/local.yaml as an operator would use it (see `LocalCluster` for the one
 difference). Needs root: runs in CI; skips with the reason elsewhere."""
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.testbed import LocalCluster, Testbed, TestbedConfig, TestbedUnavailable
 from decoder.generate import generate_full
 from decoder.loader import default_cache_dir
 from decoder.service.client import DecoderClient, GenerateReply
+from decoder.store_source import kv_layout
+from prefix_store.client import StoreClient
 
 pytestmark = pytest.mark.multihost
 
@@ -49,7 +52,7 @@ def testbed():
 
 @pytest.fixture(scope="module")
 def cluster(testbed):
-    """`ray up` (cluster/deploy/local.yaml), then the service deployed with `ray exec ...
+    """`ray up` (cluster/local.yaml), then the service deployed with `ray exec ...
     serve --detach`; `ray down` at the end. Yields (cluster, store endpoints, decoder)."""
     ray_cluster = LocalCluster(
         testbed, ROOT, head="head", storage=["storage1", "storage2"], decoder=["decoder1"]
@@ -157,3 +160,36 @@ def test_storage_link_down_mid_request_replica_then_rejoin(
             time.sleep(2)
         again = client.generate(token_ids=prompt, max_new_tokens=48)
         assert again.tokens == want
+
+
+def test_shaped_links_limit_pulls_and_decoding_stays_exact(
+    testbed, cluster, document, builtin_model, builtin_runner
+):
+    ray_cluster, stores, decoder = cluster
+    token = tenant(ray_cluster, "carol")
+    doc_ids = builtin_model.encode(document)
+    prompt = doc_ids + builtin_model.encode("\n# What does indent() return?\n")[1:]
+    want = reference(builtin_runner, builtin_model, prompt)
+    storage = [testbed.hosts[name] for name in ("storage1", "storage2")]
+    rate = 125e6  # 1 Gbit/s per storage host
+    config = builtin_model.config
+    with DecoderClient(decoder, token) as client:
+        client.publish(token_ids=doc_ids, compressors=["snapkv:budget=0.125"])
+        try:
+            for host in storage:
+                host.shape(rate)
+            with StoreClient(list(stores), token) as store:  # from outside the cluster
+                cached = store.lookup(doc_ids, kv_layout(config, builtin_model.fingerprint))
+                k = torch.empty(config.num_layers, config.num_kv_heads, cached.tokens,
+                                config.head_dim)  # fmt: skip
+                started = time.perf_counter()
+                pulled = store.fetch_layers(cached, k, torch.empty_like(k))
+                seconds = time.perf_counter() - started
+            # the pull crossed both shaped links and no faster than they allow (a slower
+            # machine only lowers the rate; the buckets add 2 x 0.5 MB of burst)
+            assert pulled > 40e6 and pulled / seconds <= 2 * rate * 1.1
+            reply = client.generate(token_ids=prompt, max_new_tokens=NEW)
+            assert reply.tokens == want and reply.stats["pulled_bytes"] > 0
+        finally:
+            for host in storage:
+                host.shape(None)

@@ -4,9 +4,13 @@ commands (tenant, namespace, status) against the deployment's Redis."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
+import ray
 import torch
 
 from cluster.cli import main
@@ -63,6 +67,36 @@ def test_a_shard_killed_mid_fetch_fails_over_to_its_replica(deployment, capsys):
         assert list(layers) == list(range(1, 8))
     assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
     deployment.start_shard(1)  # rejoins (its memory tier died with it)
+
+
+def test_a_frozen_shard_mid_fetch_is_left_for_its_replica(deployment, capsys):
+    """A shard that stops answering without closing anything (a dead link or host looks
+    the same: SIGSTOP here) is given up after `idle_timeout_s` without progress; later
+    transfers prefer its replica while it is quarantined, and use it again afterwards."""
+    token = tenant("freeze-test", deployment.redis_url, capsys)
+    kv = torch.randn(8, 2, 4, len(TOKENS), 64)
+    config = ClientConfig(streams=2, idle_timeout_s=2.0, quarantine_s=4.0)
+    pid = ray.get(deployment.actors[1].__ray_call__.remote(lambda self: os.getpid()))
+    with StoreClient(list(deployment.endpoints.values()), token, config) as c:
+        prefix = c.publish_prefix(TOKENS, kv, LAYOUT).prefix
+        k = torch.empty(8, 4, prefix.tokens, 64)
+        v = torch.empty_like(k)
+        layers = c.iter_layers(prefix, k, v)
+        assert next(layers) == 0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert list(layers) == list(range(1, 8))
+            assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+            assert c.suspects() == {"shard-1"}
+            k.zero_(), v.zero_()
+            c.fetch_layers(prefix, k, v)  # quarantined: shard-0 alone serves it
+            assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        while c.suspects():
+            time.sleep(0.2)
+        assert c.fetch_layers(prefix, k, v) == prefix.bytes
+        assert deployment.stats()[1]["shard_id"] == "shard-1"  # answering again
 
 
 def test_a_restarted_shard_serves_its_disk_tier(deployment, capsys):
