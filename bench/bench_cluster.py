@@ -30,9 +30,7 @@ Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 2]
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import sys
 import time
@@ -42,7 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_remote import _finish_row, _measure, _publish, _server, source_text, suffix  # noqa: E402
+from bench_remote import (  # noqa: E402
+    _finish_row,
+    _measure,
+    _publish,
+    _server,
+    source_text,
+    suffix,
+    write_results,
+)
 
 from cluster.testbed import LocalCluster, Testbed, TestbedConfig  # noqa: E402
 from decoder.loader import default_cache_dir, load_model  # noqa: E402
@@ -111,7 +117,7 @@ def main() -> int:
             bed.shape(None)
             cluster.down()
     print_tables(probes, rows)
-    write(args, model, probes, rows)
+    write_results(args, model, links=probes, rows=rows)
     return 0
 
 
@@ -176,18 +182,6 @@ def print_tables(probes: list[dict], rows: list[dict]) -> None:
     print("-" * len(HEADER))
     for row in rows:
         print(fmt_row(row))
-
-
-def write(args, model, probes, rows) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "model": model.name,
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    args.out.write_text(json.dumps({"meta": meta, "links": probes, "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

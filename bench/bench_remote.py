@@ -141,6 +141,12 @@ def main() -> int:
                     rows.append(row)
                     _print_row(row)
     _print_table(rows)
+    write_results(args, model, rows=rows)
+    return 0
+
+
+def write_results(args, model, **results) -> None:
+    """`results` under `args.out` as JSON, with the model, machine and arguments."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": model.name,
@@ -148,9 +154,8 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"meta": meta, **results}, indent=2))
     print(f"\nwrote {args.out}")
-    return 0
 
 
 def _server(stores, budget, model) -> DecoderServer:

@@ -193,3 +193,12 @@ def test_shaped_links_limit_pulls_and_decoding_stays_exact(
         finally:
             for host in storage:
                 host.shape(None)
+
+
+def test_ray_down_leaves_nothing_running(testbed, cluster):
+    ray_cluster, _, _ = cluster
+    assert "stopped" in ray_cluster.exec("vericache stop")  # the service first, Ray stays
+    ray_cluster.down()
+    for host in testbed.hosts.values():
+        left = host.ssh("pgrep -fa '[r]aylet|[g]cs_server|[r]edis-server|[r]ay::' || true").stdout
+        assert left.strip() == "", f"{host.name} still runs: {left}"
