@@ -48,9 +48,10 @@ class NodeConfig:
     num_cpus: int | None = None
     object_store_bytes: int | None = None
     partition_s: float = 60.0
-    """Head: how long a host may be cut off before Ray declares it dead (and kills what
-    runs there). Store clients fail over within seconds on their own; a storage host whose
-    link comes back within this time keeps its shard and its memory tier, and rejoins."""
+    """How long a host may be cut off before Ray gives it up (the head declares it dead,
+    its raylet exits, and what ran there dies). Store clients fail over within seconds on
+    their own; a storage host whose link comes back within this time keeps its shard and
+    its memory tier, and rejoins. Give every host the same value."""
     autoscaling_config: str | None = None
     """Head: the cluster config `ray up` left there (~/ray_bootstrap_config.yaml), so that
     the head's autoscaler starts the worker hosts."""
@@ -86,7 +87,7 @@ def add_commands(sub) -> None:
         "--partition-s",
         type=float,
         default=60.0,
-        help="head: seconds a host may be unreachable before Ray declares it dead (default 60)",
+        help="seconds a host may be cut off before Ray gives it up (default 60; same on all)",
     )
     start.add_argument(
         "--autoscaling-config", help="head: ~/ray_bootstrap_config.yaml (set by ray up)"
@@ -166,10 +167,11 @@ HEALTH_CHECK_PERIOD_MS = 3000
 
 
 def ray_environment(config: NodeConfig) -> dict[str, str]:
-    """The head's GCS health checks (one every 3 s, a node is dead after `partition_s` of
-    failures) and, on premises, the autoscaler that starts every listed worker host."""
+    """How long Ray tolerates a partition: a worker's raylet waits `partition_s` for the
+    head; the head's GCS health checks (one every 3 s) declare a node dead after as long.
+    On premises, also the autoscaler that starts every listed worker host."""
     if not config.head:
-        return {}
+        return {"RAY_gcs_rpc_server_reconnect_timeout_s": str(math.ceil(config.partition_s))}
     failures = max(1, math.ceil(config.partition_s * 1000 / HEALTH_CHECK_PERIOD_MS))
     env = {
         "RAY_health_check_period_ms": str(HEALTH_CHECK_PERIOD_MS),

@@ -52,7 +52,8 @@ def test_head_starts_the_autoscaler_and_tolerates_partitions(tmp_path):
     assert "RAY_enable_autoscaler_v2" not in ray_environment(
         NodeConfig(head=True, autoscaling_config=str(cloud))
     )
-    assert ray_environment(NodeConfig(address="10.0.0.10:6379")) == {}
+    worker = NodeConfig(address="10.0.0.10:6379", partition_s=90)
+    assert ray_environment(worker) == {"RAY_gcs_rpc_server_reconnect_timeout_s": "90"}
 
 
 @pytest.mark.parametrize(
