@@ -207,7 +207,7 @@ def test_ray_down_leaves_nothing_running(testbed, cluster):
     assert "stopped" in ray_cluster.exec("vericache stop")  # the service first, Ray stays
     ray_cluster.down()
     assert ray_processes(testbed.hosts["head"]).strip() == ""
-    deadline = time.monotonic() + 300  # (60 s) + the raylet noticing, on a loaded machine
+    deadline = time.monotonic() + 300  # 60 s of partition, then shutdown (~130 s seen)
     for host in testbed.hosts.values():
         while left := ray_processes(host).strip():
             assert time.monotonic() < deadline, f"{host.name} still runs: {left[:300]}"
