@@ -225,14 +225,10 @@ def print_endpoints(deployment) -> None:
         print(f"  store    {endpoint}")
     for endpoint in deployment.decoders.values():
         print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
-    redacted = re.sub(r"//:[^@]*@", "//:***@", deployment.redis_url)
-    print(f"  redis    {redacted}   (full URL in {state_path()})", flush=True)
-
-
-def state_path():
     from cluster.serve import state_file
 
-    return state_file()
+    redacted = re.sub(r"//:[^@]*@", "//:***@", deployment.redis_url)
+    print(f"  redis    {redacted}   (full URL in {state_file()})", flush=True)
 
 
 def run_stop(ns) -> int:

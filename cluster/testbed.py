@@ -90,24 +90,17 @@ class Host:
     sshd: subprocess.Popen | None = None
 
     def ssh(
-        self, command: str, timeout: float = 300, check: bool = True, env: dict | None = None
+        self, command: str, timeout: float = 300, check: bool = True
     ) -> subprocess.CompletedProcess:
         """Run `command` on the host through SSH in a login shell, as an operator would."""
-        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
         argv = ["ssh", "-i", str(self.key), *SSH_OPTIONS, f"root@{self.address}"]
-        argv.append("bash -lc " + shlex.quote(exports + command))
+        argv.append("bash -lc " + shlex.quote(command))
         result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise subprocess.CalledProcessError(
                 result.returncode, command, result.stdout, result.stderr
             )
         return result
-
-    def enter(self) -> list[str]:
-        """A command prefix that runs a program inside this host's namespaces."""
-        children = Path(f"/proc/{self.sshd.pid}/task/{self.sshd.pid}/children").read_text()
-        init = children.split()[0]  # the host's PID 1 (its sshd), forked by unshare
-        return ["nsenter", "-t", init, "-n", "-m", "-p", "-u", "-i", "--"]
 
     def link(self, up: bool) -> None:
         """Take the host's network link down (packets are dropped, nothing is reset) or up."""
@@ -117,12 +110,6 @@ class Host:
         """Limit the host's link to `rate_bytes_per_s` in both directions with a
         token-bucket filter (`tc ... tbf`); None removes the limit."""
         shape_link(["ip", "netns", "exec", self.netns], "eth0", self.peer, rate_bytes_per_s)
-
-    def processes(self) -> list[int]:
-        out = subprocess.run(
-            ["ip", "netns", "pids", self.netns], capture_output=True, text=True
-        ).stdout
-        return [int(pid) for pid in out.split()]
 
 
 def shape_link(inside: list[str], device: str, peer: str, rate: float | None) -> None:
@@ -192,7 +179,10 @@ class Testbed:
 
     def close(self) -> None:
         for host in self.hosts.values():
-            kill_all(host)
+            kill_all(host.netns)
+            if host.sshd is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    host.sshd.wait(5)
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
             subprocess.run(["ip", "link", "del", host.peer], capture_output=True)
         self.hosts.clear()
@@ -378,19 +368,16 @@ def wait_for_ssh(host: Host, timeout_s: float = 30) -> None:
         time.sleep(0.2)
 
 
-def kill_all(host: Host) -> None:
-    """SIGKILL every process in the host's network namespace (its sshd, sessions, Ray)."""
+def kill_all(netns: str) -> None:
+    """SIGKILL every process in a network namespace (a host's sshd, sessions, Ray)."""
     for _ in range(5):
-        pids = host.processes()
-        if not pids:
-            break
-        for pid in pids:
+        out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+        if not out.stdout.split():
+            return
+        for pid in map(int, out.stdout.split()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
-    if host.sshd is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            host.sshd.wait(5)
 
 
 def sweep(root: Path) -> None:
@@ -402,8 +389,7 @@ def sweep(root: Path) -> None:
         tag = ns.split("-")[0]
         if not (tag.startswith("vc") and tag[2:].isdigit()) or _alive(int(tag[2:])):
             continue
-        stale = Host(ns, ns, "", "", "", root, Path())
-        kill_all(stale)
+        kill_all(ns)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{tag}gw"], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True)

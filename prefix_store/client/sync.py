@@ -397,19 +397,23 @@ class StoreClient:
         avoiding shards that failed recently while a replica is left; when none is left,
         fail with what the last owner said."""
         try:
-            groups = group_by_owner(chunks, self.topology, failed | self.suspects())
-        except NotFound:
-            try:
-                groups = group_by_owner(chunks, self.topology, failed)
-            except NotFound as error:
-                handle.assembly.fail(exhausted(error, failed, cause))
-                return
+            groups = self._owner_groups(chunks, failed)
+        except NotFound as error:
+            handle.assembly.fail(exhausted(error, failed, cause))
+            return
         if layer_from >= handle.assembly.layer_end or handle.cancelled:
             return
         for shard_id, lane, part in lanes(groups, self.config.streams):
             handle.add_lane(
                 self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
             )
+
+    def _owner_groups(self, chunks, failed: frozenset) -> dict[str, list]:
+        """Chunks by best owner not in `failed`, leaving out suspects where a replica is."""
+        try:
+            return group_by_owner(chunks, self.topology, failed | self.suspects())
+        except NotFound:
+            return group_by_owner(chunks, self.topology, failed)
 
     def _stream(self, handle: FetchHandle, shard_id, lane, chunks, layer_from, failed) -> None:
         """Fetch `chunks` from one shard (data plane when offered, else gRPC); on a failure
