@@ -14,7 +14,8 @@ import ray
 import torch
 
 from cluster.cli import main
-from prefix_store.client import StoreClient
+from prefix_store.client import StoreClient, sync
+from prefix_store.client.sync import receive
 from prefix_store.config import ClientConfig, MiB
 from prefix_store.layout import KVLayout
 from tests.cluster.conftest import deployed
@@ -69,35 +70,54 @@ def test_a_shard_killed_mid_fetch_fails_over_to_its_replica(deployment, capsys):
     deployment.start_shard(1)  # rejoins (its memory tier died with it)
 
 
-def test_a_frozen_shard_mid_fetch_is_left_for_its_replica(deployment, capsys):
+def test_a_frozen_shard_mid_fetch_is_left_for_its_replica(deployment, capsys, monkeypatch):
     """A shard that stops answering without closing anything (a dead link or host looks
     the same: SIGSTOP here) is given up after `idle_timeout_s` without progress; later
-    transfers prefer its replica while it is quarantined, and use it again afterwards."""
+    transfers prefer its replica while it is quarantined, and use it again afterwards.
+
+    The freeze is injected at one exact point of the fetch: shard-1 has granted its
+    data-plane ticket and the client is about to read the bytes (a freeze after a
+    given layer would race the transfer, which can finish first on loopback)."""
     token = tenant("freeze-test", deployment.redis_url, capsys)
     kv = torch.randn(8, 2, 4, len(TOKENS), 64)
-    config = ClientConfig(streams=2, idle_timeout_s=2.0, quarantine_s=4.0)
+    config = ClientConfig(streams=2, idle_timeout_s=2.0, quarantine_s=10.0)
     pid = ray.get(deployment.actors[1].__ray_call__.remote(lambda self: os.getpid()))
+    contacted, frozen = [], threading.Event()
+
+    def freezing_receive(address, *args, **kwargs):
+        contacted.append(address)
+        if address == frozen_address and not frozen.is_set():
+            frozen.set()
+            os.kill(pid, signal.SIGSTOP)
+        return receive(address, *args, **kwargs)
+
+    monkeypatch.setattr(sync, "receive", freezing_receive)
     with StoreClient(list(deployment.endpoints.values()), token, config) as c:
+        frozen_address = c.topology.data_addresses["shard-1"]
         prefix = c.publish_prefix(TOKENS, kv, LAYOUT).prefix
         k = torch.empty(8, 4, prefix.tokens, 64)
         v = torch.empty_like(k)
-        layers = c.iter_layers(prefix, k, v)
-        assert next(layers) == 0
-        os.kill(pid, signal.SIGSTOP)
         try:
-            assert list(layers) == list(range(1, 8))
+            assert list(c.iter_layers(prefix, k, v)) == list(range(8))
+            assert frozen.is_set()
             assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
             assert c.suspects() == {"shard-1"}
             k.zero_(), v.zero_()
+            contacted.clear()
             c.fetch_layers(prefix, k, v)  # quarantined: shard-0 alone serves it
             assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+            assert contacted and frozen_address not in contacted
         finally:
             os.kill(pid, signal.SIGCONT)
-        while c.suspects():
+        deadline = time.monotonic() + 60
+        while c.suspects() and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert not c.suspects()
         k.zero_(), v.zero_()
+        contacted.clear()
         c.fetch_layers(prefix, k, v)  # both shards again
         assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+        assert frozen_address in contacted
         assert deployment.stats()[1]["shard_id"] == "shard-1"  # answering again
 
 
