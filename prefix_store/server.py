@@ -1,8 +1,11 @@
 """The shard's gRPC server: the `vericache.v1.PrefixStore` service over one `Shard`.
 
 `ShardServer` bundles the shard, its server (with health checking and reflection) and the
-membership heartbeat. Every handler authenticates the caller, resolves its namespace and
-maps store errors to status codes through `status.code_of` (never UNKNOWN).
+membership heartbeat. Every method takes its request as raw bytes and authenticates the
+caller from the call's metadata before it reads them: a caller without a known token gets
+UNAUTHENTICATED whatever it sends, and only then is the request parsed (a malformed one is
+INVALID_ARGUMENT naming its message) and its namespace resolved. Store errors map to
+status codes through `status.code_of` (never UNKNOWN).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from prefix_store.data_plane import (
 )
 from prefix_store.errors import Aborted, InvalidArgument
 from prefix_store.layout import KVLayout
-from prefix_store.metadata import Metadata
+from prefix_store.metadata import Metadata, Tenant
 from prefix_store.shard import ChunkRef, Shard
 from prefix_store.status import code_of
 
@@ -55,13 +58,40 @@ def _fail(context: grpc.ServicerContext, error: Exception):
     context.abort(code, str(error) or type(error).__name__)
 
 
+REQUESTS = {
+    "Describe": pb.DescribeRequest,
+    "Lookup": pb.LookupRequest,
+    "Delete": pb.DeleteRequest,
+    "OpenFetch": pb.FetchRequest,
+    "OpenPut": pb.PutHeader,
+    "Stats": pb.StatsRequest,
+    "Fetch": pb.FetchRequest,
+    "FetchArtifact": pb.FetchArtifactRequest,
+}
+"""The request message of each method with one request; `handlers` passes them raw."""
+STREAMS = {"Put": None, "PutArtifact": pb.PutArtifactRequest}
+"""The message of each client stream; None: the handler parses the raw bytes (Put: `wire`)."""
+
+
+class Call:
+    """A call's context, with the tenant it authenticated as before its request was read."""
+
+    def __init__(self, context: grpc.ServicerContext, tenant: Tenant) -> None:
+        self.context = context
+        self.tenant = tenant
+
+    def __getattr__(self, name: str):
+        return getattr(self.context, name)
+
+
 def unary(method):
+    """A handler with one response: authenticate, then read the request, then serve."""
+
     @functools.wraps(method)
-    def handler(self, request, context):
+    def handler(self, raw, context):
         try:
-            if hasattr(request, "ByteSize"):
-                self.check_size(type(request).__name__, request.ByteSize())
-            return method(self, request, context)
+            call = self.authenticate(context)
+            return method(self, self.request(method.__name__, raw), call)
         except Exception as error:  # noqa: BLE001 - every failure gets a precise status
             _fail(context, error)
 
@@ -69,11 +99,13 @@ def unary(method):
 
 
 def streaming(method):
+    """A handler with a response stream: authenticate, then read the request, then serve."""
+
     @functools.wraps(method)
-    def handler(self, request, context):
+    def handler(self, raw, context):
         try:
-            self.check_size(type(request).__name__, request.ByteSize())
-            yield from method(self, request, context)
+            call = self.authenticate(context)
+            yield from method(self, self.request(method.__name__, raw), call)
         except Exception as error:  # noqa: BLE001
             _fail(context, error)
 
@@ -125,8 +157,24 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 f"{self.config.max_message_bytes} bytes"
             )
 
-    def _caller(self, context, namespace: str | None = None):
-        tenant = self.auth.tenant(context.invocation_metadata())
+    def authenticate(self, context: grpc.ServicerContext) -> Call:
+        """The call as its caller, from its metadata alone: no request byte is read first."""
+        return Call(context, self.auth.tenant(context.invocation_metadata()))
+
+    def request(self, method: str, raw):
+        """`method`'s request parsed from `raw`; a client stream's messages parsed as read."""
+        if method in STREAMS:
+            return self._messages(STREAMS[method], raw) if STREAMS[method] else raw
+        self.check_size(REQUESTS[method].__name__, len(raw))
+        return parse(REQUESTS[method], raw)
+
+    def _messages(self, message_class, raws):
+        for raw in raws:
+            self.check_size(message_class.__name__, len(raw))
+            yield parse(message_class, raw)
+
+    def _caller(self, call: Call, namespace: str | None = None):
+        tenant = call.tenant
         return tenant, (namespace_of(tenant, namespace) if namespace is not None else None)
 
     @unary
@@ -422,43 +470,25 @@ def _same(raw: bytes) -> bytes:
 
 def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
     """The service's method table, as the generated `add_PrefixStoreServicer_to_server`
-    builds it, except that Put requests and Fetch responses stay serialised bytes."""
+    builds it, except that requests (and Fetch responses) stay serialised bytes: each
+    handler authenticates before it parses (`unary`, `streaming`)."""
 
-    def unary_unary(name, request):
-        return grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name),
-            request_deserializer=request.FromString,
-            response_serializer=lambda m: m.SerializeToString(),
+    def serialize(message) -> bytes:
+        return message.SerializeToString()
+
+    def method(kind, name: str, response=serialize):
+        return kind(
+            getattr(servicer, name), request_deserializer=_same, response_serializer=response
         )
 
     methods = {
-        "Describe": unary_unary("Describe", pb.DescribeRequest),
-        "Lookup": unary_unary("Lookup", pb.LookupRequest),
-        "Delete": unary_unary("Delete", pb.DeleteRequest),
-        "OpenFetch": unary_unary("OpenFetch", pb.FetchRequest),
-        "OpenPut": unary_unary("OpenPut", pb.PutHeader),
-        "Stats": unary_unary("Stats", pb.StatsRequest),
-        "Put": grpc.stream_unary_rpc_method_handler(
-            servicer.Put,
-            request_deserializer=_same,
-            response_serializer=pb.PutResponse.SerializeToString,
-        ),
-        "Fetch": grpc.unary_stream_rpc_method_handler(
-            servicer.Fetch,
-            request_deserializer=pb.FetchRequest.FromString,
-            response_serializer=_same,
-        ),
-        "PutArtifact": grpc.stream_unary_rpc_method_handler(
-            servicer.PutArtifact,
-            request_deserializer=pb.PutArtifactRequest.FromString,
-            response_serializer=pb.PutResponse.SerializeToString,
-        ),
-        "FetchArtifact": grpc.unary_stream_rpc_method_handler(
-            servicer.FetchArtifact,
-            request_deserializer=pb.FetchArtifactRequest.FromString,
-            response_serializer=pb.FetchArtifactResponse.SerializeToString,
-        ),
+        name: method(grpc.unary_unary_rpc_method_handler, name)
+        for name in ("Describe", "Lookup", "Delete", "OpenFetch", "OpenPut", "Stats")
     }
+    methods["Put"] = method(grpc.stream_unary_rpc_method_handler, "Put")
+    methods["PutArtifact"] = method(grpc.stream_unary_rpc_method_handler, "PutArtifact")
+    methods["Fetch"] = method(grpc.unary_stream_rpc_method_handler, "Fetch", _same)
+    methods["FetchArtifact"] = method(grpc.unary_stream_rpc_method_handler, "FetchArtifact")
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
