@@ -42,8 +42,15 @@ class ShardConfig:
     heartbeat_s: float = 1.0
     """Membership heartbeat period; the registration lives for `ttl_s`."""
     ttl_s: float = 5.0
+    provenance_key: bytes = b""
+    """The deployment's provenance public key (32 bytes, see `prefix_store.provenance`):
+    signatures of puts are checked with it, and a put whose signature fails is refused.
+    Empty: signatures are kept unchecked (decoders still check them) and no put counts as
+    signed, so none replaces a stored chunk."""
 
     def __post_init__(self) -> None:
+        if self.provenance_key and len(self.provenance_key) != 32:
+            raise ValueError("provenance_key: a 32-byte Ed25519 public key, or empty")
         if self.memory_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("memory_bytes and disk_bytes must be >= 0")
         if self.disk_bytes > 0 and self.disk_dir is None:

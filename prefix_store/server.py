@@ -41,6 +41,7 @@ from prefix_store.data_plane import (
 from prefix_store.errors import Aborted, InvalidArgument
 from prefix_store.layout import KVLayout
 from prefix_store.metadata import Metadata, Tenant
+from prefix_store.provenance import Proof
 from prefix_store.shard import ChunkRef, Shard
 from prefix_store.status import code_of
 
@@ -125,6 +126,10 @@ def client_stream(requests):
         yield from requests
     except grpc.RpcError as error:
         raise Aborted("the client went away mid-stream; nothing was stored") from error
+
+
+def proof_message(proof: Proof) -> pb.ChunkProof:
+    return pb.ChunkProof(digest=proof.digest, signature=proof.signature)
 
 
 def layout_of(message) -> KVLayout:
@@ -212,6 +217,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             partial_tokens=result.partial_tokens,
             partial_key=result.partial_key,
             cached_tokens=result.cached_tokens,
+            proofs=[proof_message(p) for p in result.proofs],
+            partial_proof=proof_message(result.partial_proof),
         )
 
     @unary
@@ -246,6 +253,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             header.chunk_indices,
             tenant.name,
             self.quota,
+            header.signatures,
         )
 
     def _fetch_args(self, request, context):
@@ -254,7 +262,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         if not 0 < len(request.chunks) <= MAX_CHUNKS_PER_FETCH:
             raise InvalidArgument(f"chunks: between 1 and {MAX_CHUNKS_PER_FETCH} required")
         end = request.layer_end or layout.num_layers
-        refs = [ChunkRef(c.key, c.tokens) for c in request.chunks]
+        refs = [ChunkRef(c.key, c.tokens, c.digest) for c in request.chunks]
         return space, layout, refs, request.layer_start, end
 
     @unary
@@ -346,6 +354,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             data,
             tenant.name,
             self.quota,
+            ident.signature,
         )
         return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
 
@@ -360,18 +369,19 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         _, space = self._caller(context, ident.namespace)
         self._check_spec(ident.compressor)
         step = self._message_bytes(request.max_message_bytes)
-        data, _ = self.shard.fetch_artifact(
+        data, _, proof = self.shard.fetch_artifact(
             space, layout_of(ident), ident.prefix_key, ident.compressor
         )
         crc = crc32c(data)
         if not data:
-            yield pb.FetchArtifactResponse(total_bytes=0, crc32c=crc)
+            yield pb.FetchArtifactResponse(total_bytes=0, crc32c=crc, signature=proof.signature)
         for start in range(0, len(data), step):
-            last = start + step >= len(data)
+            first, last = start == 0, start + step >= len(data)
             yield pb.FetchArtifactResponse(
                 data=data[start : start + step],
-                total_bytes=len(data) if start == 0 else 0,
+                total_bytes=len(data) if first else 0,
                 crc32c=crc if last else 0,
+                signature=proof.signature if first else b"",
             )
 
     @unary

@@ -31,6 +31,14 @@ from prefix_store.errors import (
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
+from prefix_store.provenance import (
+    Proof,
+    Verifier,
+    artifact_statement,
+    chunk_statement,
+    content_digest,
+    token_digests,
+)
 from prefix_store.tiers import DiskTier, MemoryTier
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,17 @@ def artifact_id(namespace: Namespace, layout: KVLayout, prefix_key: int, spec: s
     return ("artifact", namespace.id, prefix_key, spec, layout.identity())
 
 
+def proof_of(blob: Blob) -> Proof:
+    """A stored blob's provenance (see `prefix_store.provenance`)."""
+    meta = blob.meta
+    return Proof(bytes.fromhex(meta.get("digest", "")), bytes.fromhex(meta.get("signature", "")))
+
+
+def is_signed(blob: Blob) -> bool:
+    """Whether the shard checked the blob's signature with the deployment's key."""
+    return bool(blob.meta.get("signed"))
+
+
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     keys: list[int]
@@ -69,12 +88,17 @@ class LookupResult:
     partial_tokens: int = 0
     partial_key: int = 0
     cached_tokens: int = 0
+    proofs: list[Proof] = field(default_factory=list)
+    """One per `present` entry."""
+    partial_proof: Proof = Proof()
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
     key: int
     tokens: int
+    digest: bytes = b""
+    """When set, only a chunk whose stored bytes have this SHA-256 may be served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +135,7 @@ def _chunk_tokens(ids: list[int], layout: KVLayout, index: int) -> list[int]:
 class Shard:
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
+        self.verifier = Verifier(config.provenance_key) if config.provenance_key else None
         self._lock = threading.RLock()
         self._leases: Counter = Counter()
         self._doomed: set[BlobId] = set()
@@ -220,13 +245,17 @@ class Shard:
         wanted = sorted(set(indices)) if indices else list(range(len(keys)))
         if wanted and (wanted[0] < 0 or wanted[-1] >= len(keys)):
             raise InvalidArgument(f"chunk_indices: must be in [0, {len(keys)})")
-        present, partial = [], (0, 0, 0)
+        present, proofs, partial, partial_proof = [], [], (0, 0, 0), Proof()
         with self._lock:
             for index in wanted:
-                if self._holds_full(namespace, layout, ids, keys, index):
+                blob = self._held_full(namespace, layout, ids, keys, index)
+                if blob is not None:
                     present.append(index)
+                    proofs.append(proof_of(blob))
                     continue
                 partial = self._longest_partial(namespace, layout, ids, parents, index)
+                if partial[1]:
+                    partial_proof = proof_of(self._find_live(chunk_id(namespace, partial[2])))
                 break
             self.stats.hits += len(present)
             self.stats.misses += len(wanted) - len(present)
@@ -234,14 +263,14 @@ class Shard:
         if not indices:
             leading = len(present) * layout.chunk_tokens if present == wanted[: len(present)] else 0
             leading += partial[1]
-        return LookupResult(keys, present, *partial, cached_tokens=leading)
+        return LookupResult(keys, present, *partial, leading, proofs, partial_proof)
 
-    def _holds_full(self, namespace, layout, ids, keys, index) -> bool:
+    def _held_full(self, namespace, layout, ids, keys, index) -> Blob | None:
         tokens = _chunk_tokens(ids, layout, index)
         if len(tokens) < layout.chunk_tokens:
-            return False
+            return None
         blob = self._find_live(chunk_id(namespace, keys[index]))
-        return self._matches(blob, layout, tokens)
+        return blob if self._matches(blob, layout, tokens) else None
 
     @staticmethod
     def _matches(blob: Blob | None, layout: KVLayout, tokens: list[int]) -> bool:
@@ -267,17 +296,30 @@ class Shard:
         indices: Sequence[int],
         owner: str,
         quota: QuotaCheck,
+        signatures: Sequence[bytes] = (),
     ) -> PutSession:
         return PutSession(
-            self, namespace, layout, validate_tokens(token_ids), indices, owner, quota
+            self, namespace, layout, validate_tokens(token_ids), indices, owner, quota, signatures
         )
 
+    def check_signature(self, statement: bytes, signature: bytes, what: str) -> bool:
+        """Whether a put's signature was checked (True) or there was none / no key to
+        check it with (False); a signature that fails the check refuses the put."""
+        if not signature or self.verifier is None:
+            return False
+        if not self.verifier.verify(statement, signature):
+            raise InvalidArgument(f"{what}: the signature does not verify for these bytes")
+        return True
+
     def commit(self, blobs: list[Blob], owner: str, quota: QuotaCheck) -> Committed:
-        """Make complete, checked blobs visible, all or none."""
+        """Make complete, checked blobs visible, all or none. A signed blob replaces an
+        unsigned one of the same key (an unreferenced one: a leased one is UNAVAILABLE)."""
         allowance = quota(owner)
         with self._lock:
             self._refuse_doomed(blobs)
-            new = [b for b in blobs if self._find(b.id) is None]
+            stale = [b.id for b in blobs if self._replaces(b)]
+            self._refuse_leased(stale)
+            new = [b for b in blobs if b.id in stale or self._find(b.id) is None]
             new_bytes = sum(b.nbytes for b in new)
             self._check_quota(owner, allowance, new_bytes)
             if not self._room_for(new_bytes):
@@ -286,11 +328,24 @@ class Shard:
                     f"(memory {self.memory.used}/{self.memory.capacity}, "
                     f"disk {self.disk.used}/{self.disk.capacity})"
                 )
+            for blob_id in stale:
+                self._drop(blob_id)
             for blob in new:
                 self._place(blob)
             for blob in blobs:
                 self._claims[blob.id] += 1
         return Committed([b.id[2] for b in blobs], new_bytes, [b.id[2] for b in new])
+
+    def _replaces(self, blob: Blob) -> bool:
+        old = self._find(blob.id)
+        return old is not None and is_signed(blob) and not is_signed(old)
+
+    def _refuse_leased(self, blob_ids: list[BlobId]) -> None:
+        for blob_id in blob_ids:
+            if self._is_leased(blob_id):
+                raise Unavailable(
+                    f"{blob_id[0]} {blob_id[2]:016x} is being read; retry the signed put shortly"
+                )
 
     def _refuse_doomed(self, blobs: list[Blob]) -> None:
         for blob in blobs:
@@ -359,6 +414,11 @@ class Shard:
                 blob = self._find_live(chunk_id(namespace, ref.key))
                 if blob is None or blob.layout != layout or len(blob.tokens) != ref.tokens:
                     raise NotFound(f"chunks[{index}]: chunk {ref.key:016x} is not stored here")
+                if ref.digest and proof_of(blob).digest != ref.digest:
+                    raise NotFound(
+                        f"chunks[{index}]: chunk {ref.key:016x} is stored here with other bytes "
+                        "than the digest asked for"
+                    )
                 blobs.append(blob)
             for blob in blobs:
                 self._leases[blob.id] += 1
@@ -416,7 +476,12 @@ class Shard:
         data: bytes,
         owner: str,
         quota: QuotaCheck,
+        signature: bytes = b"",
     ) -> int:
+        """Store (or replace) an artifact; a signed one is never replaced by an unsigned one."""
+        digest = content_digest([data])
+        statement = artifact_statement(layout, prefix_key, prefix_tokens, spec, digest)
+        signed = self.check_signature(statement, signature, "id.signature")
         blob = Blob(
             id=artifact_id(namespace, layout, prefix_key, spec),
             layout=layout,
@@ -425,11 +490,17 @@ class Shard:
             segment_bytes=len(data),
             crcs=(crc32c(data),),
             data=(data,),
+            meta={"digest": digest.hex(), "signature": signature.hex(), "signed": signed},
         )
         allowance = quota(owner)
         with self._lock:
             self._refuse_doomed([blob])
             old = self._find(blob.id)
+            if old is not None and is_signed(old) and not signed:
+                raise InvalidArgument(
+                    f"artifact {spec!r} of prefix {prefix_key:016x}: a signed artifact is "
+                    "stored; an unsigned one cannot replace it"
+                )
             replaced = old.nbytes if old is not None and old.owner == owner else 0
             self._check_quota(owner, allowance, max(0, blob.nbytes - replaced))
             if not self._room_for(blob.nbytes - (old.nbytes if old is not None else 0)):
@@ -441,8 +512,8 @@ class Shard:
 
     def fetch_artifact(
         self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
-    ) -> tuple[bytes, int]:
-        """The artifact's bytes and its prefix length."""
+    ) -> tuple[bytes, int, Proof]:
+        """The artifact's bytes, its prefix length and its provenance."""
         blob_id = artifact_id(namespace, layout, prefix_key, spec)
         with self._lock:
             blob = self._find_live(blob_id)
@@ -450,7 +521,7 @@ class Shard:
                 raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
             self._leases[blob_id] += 1
         try:
-            return self._read_segment(blob, 0), blob.tokens[0]
+            return self._read_segment(blob, 0), blob.tokens[0], proof_of(blob)
         finally:
             self._release([blob_id])
 
@@ -555,14 +626,17 @@ class FetchStream:
 class PutSession:
     """One two-phase put: segments are staged privately; `commit` checks and publishes."""
 
-    def __init__(self, shard, namespace, layout, ids, indices, owner, quota) -> None:
+    def __init__(self, shard, namespace, layout, ids, indices, owner, quota, signatures) -> None:
         self.shard, self.namespace, self.layout = shard, namespace, layout
         self.owner, self.quota = owner, quota
         keys = chunk_keys(ids, layout, namespace.salt)
         self.indices = list(indices)
         self._check_indices(len(keys))
+        self.signatures = self._check_signatures(signatures)
         parents = parent_keys(keys, layout, namespace.salt)
         self.tokens = [_chunk_tokens(ids, layout, i) for i in self.indices]
+        ends = [min((i + 1) * layout.chunk_tokens, len(ids)) for i in self.indices]
+        self.token_digests = token_digests(ids, ends) if self.signatures else []
         self.keys = [keys[i] for i in self.indices]
         self.parents = [parents[i] for i in self.indices]
         total = sum(layout.chunk_bytes(len(t)) for t in self.tokens)
@@ -588,6 +662,14 @@ class PutSession:
         for i, segment in enumerate(segments):
             view[i * size : (i + 1) * size] = segment
         return tuple(view[i * size : (i + 1) * size] for i in range(len(segments)))
+
+    def _check_signatures(self, signatures: Sequence[bytes]) -> list[bytes]:
+        if signatures and len(signatures) != len(self.indices):
+            raise InvalidArgument(
+                f"header.signatures: {len(signatures)} given, one per chunk ({len(self.indices)}) "
+                "or none expected"
+            )
+        return list(signatures)
 
     def _check_indices(self, n_chunks: int) -> None:
         if not self.indices:
@@ -658,6 +740,13 @@ class PutSession:
         if self.arrays[j] is None:  # gRPC path: views of request messages shared by chunks
             data = self._own(data)
         self.segments[j] = []
+        digest = content_digest(data)
+        signature = self.signatures[j] if self.signatures else b""
+        signed = signature != b"" and self.shard.check_signature(
+            chunk_statement(self.layout, self.token_digests[j], digest),
+            signature,
+            f"header.signatures[{j}]",
+        )
         return Blob(
             id=("chunk", self.namespace.id, self.keys[j]),
             layout=self.layout,
@@ -666,5 +755,10 @@ class PutSession:
             segment_bytes=self.layout.segment_bytes(len(self.tokens[j])),
             crcs=tuple(crc32c(segment) for segment in data),
             data=data,
-            meta={"parent": self.parents[j]},
+            meta={
+                "parent": self.parents[j],
+                "digest": digest.hex(),
+                "signature": signature.hex(),
+                "signed": signed,
+            },
         )

@@ -7,7 +7,7 @@ import hashlib
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -18,6 +18,14 @@ from prefix_store.blob import crc32c
 from prefix_store.errors import Aborted, InvalidArgument, NotFound, Unavailable
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
+from prefix_store.provenance import (
+    Proof,
+    Signer,
+    artifact_statement,
+    chunk_statement,
+    content_digest,
+    token_digests,
+)
 
 
 def rendezvous(placement_key: int, shard_ids: Sequence[str], replicas: int) -> list[str]:
@@ -76,6 +84,8 @@ class ChunkPlan:
     last chunk (full or partial) of a prefix is found on the same shards."""
     start: int
     tokens: int
+    proof: Proof = field(default=Proof(), compare=False)
+    """What the shard said of the chunk's origin (lookups; signed publishes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,13 +195,38 @@ def segment_views(k: np.ndarray, v: np.ndarray, chunk: ChunkPlan) -> list[memory
 def put_header(
     namespace: str, layout: KVLayout, tokens: Sequence[int], chunks: Sequence[ChunkPlan]
 ) -> pb.PutHeader:
+    """The put of `chunks`, with their signatures when they carry signed proofs."""
     end = max(c.start + c.tokens for c in chunks)
+    signatures = [c.proof.signature for c in chunks]
     return pb.PutHeader(
         namespace=namespace,
         layout=layout.to_proto(pb),
         token_ids=list(tokens[:end]),
         chunk_indices=[c.index for c in chunks],
+        signatures=signatures if all(signatures) else [],
     )
+
+
+def chunk_digests(layers, chunks: Sequence[ChunkPlan]) -> list[bytes]:
+    """Each chunk's SHA-256 over its layer-major segments (what the shard computes)."""
+    hashes = [hashlib.sha256() for _ in chunks]
+    for k, v in layers:
+        for h, chunk in zip(hashes, chunks, strict=True):
+            for view in segment_views(k, v, chunk):
+                h.update(view)
+    return [h.digest() for h in hashes]
+
+
+def signed_chunks(
+    signer: Signer, layout: KVLayout, tokens: Sequence[int], chunks: Sequence[ChunkPlan], layers
+) -> list[ChunkPlan]:
+    """`chunks` with proofs signed by `signer` (see `prefix_store.provenance`)."""
+    ends = [c.start + c.tokens for c in chunks]
+    digests = chunk_digests(layers, chunks)
+    return [
+        replace(c, proof=Proof(d, signer.sign(chunk_statement(layout, t, d))))
+        for c, t, d in zip(chunks, token_digests(tokens, ends), digests, strict=True)
+    ]
 
 
 def chunk_crcs(layers, chunks: Sequence[ChunkPlan]) -> list[int]:
@@ -252,7 +287,7 @@ def fetch_request(
     return pb.FetchRequest(
         namespace=prefix.namespace,
         layout=prefix.layout.to_proto(pb),
-        chunks=[pb.ChunkRef(key=c.key, tokens=c.tokens) for c in chunks],
+        chunks=[pb.ChunkRef(key=c.key, tokens=c.tokens, digest=c.proof.digest) for c in chunks],
         layer_start=layer_start,
         layer_end=layer_end,
         max_message_bytes=message_bytes,
@@ -463,8 +498,9 @@ def cached_prefix(
     cached: list[ChunkPlan] = []
     for chunk in chunks:
         response = answers[chunk.index]
+        proofs = dict(zip(response.present, response.proofs, strict=False))
         if chunk.index in set(response.present):
-            cached.append(chunk)
+            cached.append(replace(chunk, proof=proof_of(proofs.get(chunk.index))))
             continue
         if response.partial_tokens and response.partial_index == chunk.index:
             cached.append(
@@ -474,10 +510,17 @@ def cached_prefix(
                     chunk.parent,
                     chunk.start,
                     response.partial_tokens,
+                    proof_of(response.partial_proof),
                 )
             )
         break
     return CachedPrefix(namespace, layout, sum(c.tokens for c in cached), tuple(cached))
+
+
+def proof_of(message: pb.ChunkProof | None) -> Proof:
+    if message is None:
+        return Proof()
+    return Proof(message.digest, message.signature)
 
 
 def placement(chunks: Sequence[ChunkPlan], topology) -> dict[str, list[ChunkPlan]]:
@@ -489,14 +532,21 @@ def placement(chunks: Sequence[ChunkPlan], topology) -> dict[str, list[ChunkPlan
     return out
 
 
-def artifact_id(prefix: CachedPrefix, spec: str) -> pb.ArtifactId:
+def artifact_id(prefix: CachedPrefix, spec: str, signature: bytes = b"") -> pb.ArtifactId:
     return pb.ArtifactId(
         namespace=prefix.namespace,
         layout=prefix.layout.to_proto(pb),
         prefix_key=prefix.key,
         prefix_tokens=prefix.tokens,
         compressor=spec,
+        signature=signature,
     )
+
+
+def artifact_statement_of(prefix: CachedPrefix, spec: str, data: bytes) -> bytes:
+    """What a decoder signs for an artifact of `prefix` (see `prefix_store.provenance`)."""
+    digest = content_digest([data])
+    return artifact_statement(prefix.layout, prefix.key, prefix.tokens, spec, digest)
 
 
 def artifact_messages(ident: pb.ArtifactId, data: bytes, step: int) -> Iterator:

@@ -28,6 +28,7 @@ from prefix_store.client.plan import (
     Topology,
     artifact_id,
     artifact_messages,
+    artifact_statement_of,
     as_layers,
     cached_prefix,
     fetch_request,
@@ -39,12 +40,14 @@ from prefix_store.client.plan import (
     put_header,
     put_messages,
     settle,
+    signed_chunks,
 )
 from prefix_store.client.retry import retrying, rpc_error
 from prefix_store.client.transfer import receive, send_put
 from prefix_store.config import ClientConfig
 from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
+from prefix_store.provenance import Signer, Verifier
 from prefix_store.shard import validate_tokens
 from prefix_store.status import FAILOVER
 
@@ -284,16 +287,25 @@ class StoreClient:
     # ---- publish --------------------------------------------------------------------------
 
     def publish_prefix(
-        self, tokens: Sequence[int], kv, layout: KVLayout, namespace: str = ""
+        self,
+        tokens: Sequence[int],
+        kv,
+        layout: KVLayout,
+        namespace: str = "",
+        signer: Signer | None = None,
     ) -> PublishResult:
         """Store the KV of `tokens` (per layer (k, v), each [kv_heads, >= len(tokens),
         head_dim], or a tensor [layers, 2, kv_heads, tokens, head_dim]) on every owner of
-        every chunk. Each shard's part is a two-phase put: all of it or nothing."""
+        every chunk. Each shard's part is a two-phase put: all of it or nothing. Chunks are
+        signed with `signer` when given (decoders: the KV is the model's own exact KV);
+        without it they are stored unsigned, which no decoder verifies against."""
         ids = validate_tokens(tokens)
         if not ids:
             raise InvalidArgument("tokens: at least one token is required")
         layers = as_layers(kv, layout, len(ids))
         chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
+        if signer is not None:
+            chunks = signed_chunks(signer, layout, ids, chunks, layers)
         streams = lanes(placement(chunks, self.topology), self.config.streams)
         jobs = {}
         for shard_id, lane, part in streams:
@@ -470,9 +482,15 @@ class StoreClient:
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
 
-    def put_artifact(self, prefix: CachedPrefix, spec: str, data: bytes) -> int:
-        """Store a compressed artifact of a cached prefix on all its owners."""
-        ident = artifact_id(prefix, spec)
+    def put_artifact(
+        self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None = None
+    ) -> int:
+        """Store a compressed artifact of a cached prefix on all its owners (signed with
+        `signer` when given)."""
+        signature = b""
+        if signer is not None:
+            signature = signer.sign(artifact_statement_of(prefix, spec, data))
+        ident = artifact_id(prefix, spec, signature)
         owners = self.topology.owners(artifact_placement(prefix.key, spec))
         step = self.config.message_bytes
 
@@ -498,31 +516,40 @@ class StoreClient:
             raise errors[0]
         return stored
 
-    def fetch_artifact(self, prefix: CachedPrefix, spec: str) -> bytes | None:
-        """The artifact's bytes, or None when no owner holds it."""
+    def fetch_artifact(
+        self, prefix: CachedPrefix, spec: str, verifier: Verifier | None = None
+    ) -> bytes | None:
+        """The artifact's bytes, or None when no owner holds it (with `verifier`: none holds
+        one whose signature verifies)."""
         ident = artifact_id(prefix, spec)
         request = pb.FetchArtifactRequest(id=ident, max_message_bytes=self.config.message_bytes)
         for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
             try:
-                return self._fetch_artifact_from(shard_id, request)
+                data, signature = self._fetch_artifact_from(shard_id, request)
             except (NotFound, Unavailable, StoreError) as error:
                 if not isinstance(error, NotFound | Unavailable) and "checksum" not in str(error):
                     raise
+                continue
+            statement = artifact_statement_of(prefix, spec, data)
+            if verifier is None or verifier.verify(statement, signature):
+                return data
+            log.warning("artifact %s on %s is not signed by this deployment", spec, shard_id)
         return None
 
-    def _fetch_artifact_from(self, shard_id: str, request) -> bytes:
-        def call(target: str) -> bytes:
+    def _fetch_artifact_from(self, shard_id: str, request) -> tuple[bytes, bytes]:
+        def call(target: str) -> tuple[bytes, bytes]:
             stub = self._stub(self._address(target))
-            parts, crc = [], None
+            parts, crc, signature = [], None, b""
             for message in stub.FetchArtifact(
                 request, metadata=self._metadata, timeout=self.config.stream_timeout_s
             ):
                 parts.append(message.data)
                 crc = message.crc32c  # carried by the last message
+                signature = signature or message.signature  # by the first
             data = b"".join(parts)
             if crc is None or crc32c(data) != crc:
                 raise Unavailable("fetch_artifact: the artifact arrived corrupted")
-            return data
+            return data, signature
 
         return retrying(self.config, [shard_id], call)
 

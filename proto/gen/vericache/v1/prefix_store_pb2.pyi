@@ -71,28 +71,42 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., chunk_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("chunk_keys", "present", "partial_index", "partial_tokens", "partial_key", "cached_tokens")
+    __slots__ = ("chunk_keys", "present", "partial_index", "partial_tokens", "partial_key", "cached_tokens", "proofs", "partial_proof")
     CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_INDEX_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_KEY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROOFS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_PROOF_FIELD_NUMBER: _ClassVar[int]
     chunk_keys: _containers.RepeatedScalarFieldContainer[int]
     present: _containers.RepeatedScalarFieldContainer[int]
     partial_index: int
     partial_tokens: int
     partial_key: int
     cached_tokens: int
-    def __init__(self, chunk_keys: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[int]] = ..., partial_index: _Optional[int] = ..., partial_tokens: _Optional[int] = ..., partial_key: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    proofs: _containers.RepeatedCompositeFieldContainer[ChunkProof]
+    partial_proof: ChunkProof
+    def __init__(self, chunk_keys: _Optional[_Iterable[int]] = ..., present: _Optional[_Iterable[int]] = ..., partial_index: _Optional[int] = ..., partial_tokens: _Optional[int] = ..., partial_key: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., proofs: _Optional[_Iterable[_Union[ChunkProof, _Mapping]]] = ..., partial_proof: _Optional[_Union[ChunkProof, _Mapping]] = ...) -> None: ...
+
+class ChunkProof(_message.Message):
+    __slots__ = ("digest", "signature")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    signature: bytes
+    def __init__(self, digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ChunkRef(_message.Message):
-    __slots__ = ("key", "tokens")
+    __slots__ = ("key", "tokens", "digest")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     key: int
     tokens: int
-    def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("layer", "chunk", "data")
@@ -115,16 +129,18 @@ class PutRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segments: _Optional[_Union[SegmentBatch, _Mapping]] = ..., commit: _Optional[_Union[PutCommit, _Mapping]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("namespace", "layout", "token_ids", "chunk_indices")
+    __slots__ = ("namespace", "layout", "token_ids", "chunk_indices", "signatures")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KVLayout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     chunk_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., chunk_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    signatures: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., chunk_indices: _Optional[_Iterable[int]] = ..., signatures: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SegmentBatch(_message.Message):
     __slots__ = ("segments",)
@@ -183,18 +199,20 @@ class TransferTicket(_message.Message):
     def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
 
 class ArtifactId(_message.Message):
-    __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor")
+    __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor", "signature")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KVLayout
     prefix_key: int
     prefix_tokens: int
     compressor: str
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_key: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., compressor: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_key: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., compressor: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PutArtifactRequest(_message.Message):
     __slots__ = ("id", "data", "crc32c")
@@ -215,14 +233,16 @@ class FetchArtifactRequest(_message.Message):
     def __init__(self, id: _Optional[_Union[ArtifactId, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchArtifactResponse(_message.Message):
-    __slots__ = ("data", "crc32c", "total_bytes")
+    __slots__ = ("data", "crc32c", "total_bytes", "signature")
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     crc32c: int
     total_bytes: int
-    def __init__(self, data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., total_bytes: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace", "layout", "token_ids", "chunk_keys")
