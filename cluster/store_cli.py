@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from prefix_store.errors import InvalidArgument
-from prefix_store.metadata import Metadata
+from prefix_store.metadata import Metadata, redact_url
 
 UNITS = {
     "": 1,
@@ -227,8 +227,9 @@ def print_endpoints(deployment) -> None:
         print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
     from cluster.serve import state_file
 
-    redacted = re.sub(r"//:[^@]*@", "//:***@", deployment.redis_url)
-    print(f"  redis    {redacted}   (full URL in {state_file()})", flush=True)
+    print(
+        f"  redis    {redact_url(deployment.redis_url)}   (full URL in {state_file()})", flush=True
+    )
 
 
 def run_stop(ns) -> int:

@@ -20,17 +20,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import secrets
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 import redis
 
 from prefix_store.errors import InvalidArgument, Unavailable
 from prefix_store.namespace import Namespace
 
+log = logging.getLogger(__name__)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+SECRET_QUERY = re.compile(r"(?i)\b(password=)[^&]*")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password masked (user, host, port, path kept): what may be printed or
+    logged. The one place the project redacts a Redis URL."""
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        host = f"{user}:***@{host}" if colon else f"***@{host}"
+    query = SECRET_QUERY.sub(r"\1***", parts.query)
+    return f"{parts.scheme}://{host}{parts.path}" + (f"?{query}" if query else "")
 
 
 def token_digest(token: str) -> str:
@@ -70,12 +86,21 @@ class Metadata:
         )
 
     def _call(self, fn, *args):
+        """`fn(*args)`; a Redis failure is Unavailable, whose message (which callers of the
+        store see, authenticated or not) says nothing of the URL: the log has the detail."""
         try:
             return fn(*args)
         except redis.RedisError as error:
-            raise Unavailable(
-                f"metadata plane (Redis at {self.url}) unreachable: {error}"
-            ) from error
+            log.warning(
+                "metadata plane (Redis at %s): %s", redact_url(self.url), self._redact(error)
+            )
+            raise Unavailable("metadata plane unreachable; try again later") from error
+
+    def _redact(self, error: Exception) -> str:
+        text, password = str(error), urlsplit(self.url).password
+        for secret in {password, unquote(password)} if password else ():
+            text = text.replace(secret, "***")
+        return text
 
     def ping(self) -> bool:
         return bool(self._call(self.redis.ping))

@@ -178,7 +178,11 @@ class StoreClient:
         self.topology: Topology | None = None
         self._down: dict[str, float] = {}
         """Shards that failed recently -> until when (monotonic) to prefer their replicas."""
-        self.describe()
+        try:
+            self.describe()
+        except BaseException:
+            self.close()  # an unknown token or no store: nothing of this client stays open
+            raise
 
     # ---- plumbing -------------------------------------------------------------------------
 
