@@ -55,6 +55,9 @@ class NodeConfig:
     autoscaling_config: str | None = None
     """Head: the cluster config `ray up` left there (~/ray_bootstrap_config.yaml), so that
     the head's autoscaler starts the worker hosts."""
+    dashboard_host: str = "127.0.0.1"
+    """Head: the address Ray's dashboard (port 8265) binds. Loopback by default: whoever
+    reaches it can submit a Ray job, i.e. run code on the cluster and read everything."""
 
     def __post_init__(self) -> None:
         if self.head == (self.address is not None):
@@ -63,11 +66,21 @@ class NodeConfig:
             raise ValueError("--partition-s: must be > 0")
         if self.storage_slots < 1:
             raise ValueError("--storage-slots: must be >= 1")
-        for listed in (*self.storage, *self.decoder, *([self.ip] if self.ip else [])):
-            try:
-                ipaddress.ip_address(listed)
-            except ValueError:
-                raise ValueError(f"{listed!r} is not an IP address") from None
+        for flag, listed in (
+            ("--storage", self.storage),
+            ("--decoder", self.decoder),
+            ("--ip", (self.ip,) if self.ip else ()),
+            ("--dashboard-host", (self.dashboard_host,)),
+        ):
+            for address in listed:
+                check_ip(flag, address)
+
+
+def check_ip(flag: str, address: str) -> None:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        raise ValueError(f"{flag}: {address!r} is not an IP address") from None
 
 
 def add_commands(sub) -> None:
@@ -92,6 +105,12 @@ def add_commands(sub) -> None:
     start.add_argument(
         "--autoscaling-config", help="head: ~/ray_bootstrap_config.yaml (set by ray up)"
     )
+    start.add_argument(
+        "--dashboard-host",
+        default="127.0.0.1",
+        help="head: address the Ray dashboard binds (default 127.0.0.1; it runs jobs for "
+        "anyone who reaches it: use `ray dashboard CLUSTER.yaml` to forward it over SSH)",
+    )
     start.set_defaults(parse=parse_start, run=run_start)
 
 
@@ -109,6 +128,7 @@ def parse_start(ns) -> NodeConfig:
             object_store_bytes=ns.object_store_bytes,
             partition_s=ns.partition_s,
             autoscaling_config=ns.autoscaling_config,
+            dashboard_host=ns.dashboard_host,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from None
@@ -147,7 +167,7 @@ def resources(config: NodeConfig, ip: str | None) -> dict[str, float]:
 def ray_start_command(config: NodeConfig, ip: str | None) -> list[str]:
     command = [str(Path(sys.executable).parent / "ray"), "start", "--disable-usage-stats"]
     if config.head:
-        command += ["--head", f"--port={config.port}", "--dashboard-host=0.0.0.0"]
+        command += ["--head", f"--port={config.port}", f"--dashboard-host={config.dashboard_host}"]
     else:
         command += [f"--address={config.address}"]
     if ip:

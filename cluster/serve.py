@@ -4,8 +4,8 @@ Embedded (no Ray address): a local Ray instance, a local `redis-server`, N shard
 M decoder actors. With an address: shard actors spread across the cluster's storage nodes
 (the `storage` resource), decoders on its decoder nodes (the `decoder` resource; any node
 when there are none), on a GPU when their node has one, and Redis at `redis_url` or, without
-one, as an actor on the node running `serve` (password-protected when it listens beyond
-loopback). `detach` leaves the actors running after `serve` exits (named, in the Ray
+one, as an actor on the node running `serve` (always password-protected, loopback
+included). `detach` leaves the actors running after `serve` exits (named, in the Ray
 namespace `vericache`); `stop_detached` removes them.
 Either way the endpoints and the Redis URL are written to a state file, so that
 `vericache tenant`, `status` and clients on this machine find the service.
@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +25,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
-from cluster.redis_server import RedisServer, redis_actor_class
+from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
 from decoder.service.config import DEFAULT_COMPRESSOR, DecoderConfig
 from prefix_store.config import GiB, ShardConfig
 from prefix_store.metadata import Metadata
+from prefix_store.provenance import load_or_create_key
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class ServeConfig:
         if self.replication is not None and not 1 <= self.replication <= self.shards:
             raise ValueError(f"replication: must be in [1, {self.shards}]")
 
-    def shard(self, index: int) -> ShardConfig:
+    def shard(self, index: int, provenance_key: bytes = b"") -> ShardConfig:
+        """Shard `index`; `provenance_key`: the deployment's public key."""
         return ShardConfig(
             shard_id=f"shard-{index}",
             memory_bytes=self.memory_bytes,
@@ -114,9 +115,13 @@ class ServeConfig:
             host=self.host,
             port=self.port + index if self.port else 0,
             data_port=self.data_port + index if self.data_port else 0,
+            provenance_key=provenance_key,
         )
 
-    def decoder(self, index: int, store_endpoints: list[str]) -> DecoderConfig:
+    def decoder(
+        self, index: int, store_endpoints: list[str], provenance_key: bytes | None = None
+    ) -> DecoderConfig:
+        """Decoder `index`; `provenance_key`: the deployment's private key."""
         return DecoderConfig(
             store_endpoints=tuple(store_endpoints),
             host=self.host,
@@ -125,6 +130,7 @@ class ServeConfig:
             kv_budget=self.kv_budget,
             default_compressor=self.compressor,
             threads=self.decoder_threads,
+            provenance_key=provenance_key,
         )
 
 
@@ -141,6 +147,9 @@ class Deployment:
         self.decoder_actors: dict[int, object] = {}
         self.decoders: dict[int, str] = {}
         """Decoder endpoints (host:port) clients use for Generate and Publish."""
+        self.signer = load_or_create_key(Path(config.state_dir) / "provenance.key")
+        """The deployment's provenance key (docs/DESIGN.md section 8): decoders sign the KV
+        they publish with it, shards check signatures with its public half."""
         self._owns_ray = False
 
     def start(self) -> Deployment:
@@ -183,18 +192,17 @@ class Deployment:
         self._owns_ray = True
 
     def _start_redis(self) -> str:
-        """A redis-server here (embedded), or an actor on this node (cluster)."""
+        """A redis-server here (embedded), or an actor on this node (cluster). Either way it
+        generates its password, which only its URL (and so the state file) carries."""
         directory = Path(self.config.state_dir) / "redis"
-        local = self.config.host in ("127.0.0.1", "localhost")
-        password = None if local else secrets.token_urlsafe(24)
         if self.config.address is None:
-            self.redis = RedisServer(directory, self.config.host, self.config.redis_port, password)
+            self.redis = RedisServer(directory, self.config.host, self.config.redis_port)
             return self.redis.start().url
         here = ray.get_runtime_context().get_node_id()
         self.redis_actor = (
             redis_actor_class()
             .options(**self._placement("redis", here))
-            .remote(str(directory), self.config.host, self.config.redis_port, password)
+            .remote(str(directory), self.config.host, self.config.redis_port, None)
         )
         return ray.get(self.redis_actor.url.remote(), timeout=60)
 
@@ -211,7 +219,8 @@ class Deployment:
         """(Re)start shard `index` on its storage node; it finds its disk tier again."""
         node = spread(nodes_with(STORAGE_RESOURCE), index, "storage")
         placement = self._placement(f"shard-{index}", node)
-        actor = shard_actor(self.config.shard(index), self.redis_url, placement)
+        config = self.config.shard(index, self.signer.verifier.public_bytes)
+        actor = shard_actor(config, self.redis_url, placement)
         address = ray.get(actor.start.remote(), timeout=120)
         self.actors[index], self.endpoints[index] = actor, address
         return address
@@ -225,7 +234,8 @@ class Deployment:
         if nodes:
             placement["resources"] = {DECODER_RESOURCE: 1}
         gpus = any(n["Resources"].get("GPU", 0) >= 1 for n in nodes or alive_nodes())
-        actor = decoder_actor(self.config.decoder(index, stores), gpus, placement)
+        config = self.config.decoder(index, stores, self.signer.private_bytes)
+        actor = decoder_actor(config, gpus, placement)
         address = ray.get(actor.start.remote(), timeout=300)
         self.decoder_actors[index], self.decoders[index] = actor, address
         return address
@@ -257,10 +267,8 @@ class Deployment:
             "started": time.time(),
             "pid": os.getpid(),
         }
-        state_file().parent.mkdir(parents=True, exist_ok=True)
-        state_file().touch(mode=0o600)
-        state_file().chmod(0o600)  # the Redis URL may carry its password
-        state_file().write_text(json.dumps(state, indent=2))
+        state_file().parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(state_file(), json.dumps(state, indent=2))  # 0600: the Redis password
 
     def stop(self) -> None:
         for index, actor in list(self.decoder_actors.items()):

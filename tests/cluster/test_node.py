@@ -11,7 +11,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from cluster.cli import main
+from cluster.cli import build_parser, main
 from cluster.node_cli import NodeConfig, ray_environment, ray_start_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +56,21 @@ def test_head_starts_the_autoscaler_and_tolerates_partitions(tmp_path):
     assert ray_environment(worker) == {"RAY_gcs_rpc_server_reconnect_timeout_s": "90"}
 
 
+def head_command(*flags: str) -> list[str]:
+    """The head's `ray start` command as `vericache node start --head FLAGS` builds it."""
+    ns = build_parser().parse_args(["node", "start", "--head", *flags])
+    return ray_start_command(ns.parse(ns), None)
+
+
+def test_the_dashboard_binds_loopback_unless_the_operator_asks_otherwise():
+    # whoever reaches the dashboard can submit a Ray job: run code on every host
+    dashboard = [arg for arg in head_command() if arg.startswith("--dashboard-host")]
+    assert dashboard == ["--dashboard-host=127.0.0.1"]
+    assert "--dashboard-host=10.0.0.10" in head_command("--dashboard-host", "10.0.0.10")
+    worker = ray_start_command(NodeConfig(address="10.0.0.10:6379"), "10.0.0.11")
+    assert not any(arg.startswith("--dashboard-host") for arg in worker)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -65,6 +80,7 @@ def test_head_starts_the_autoscaler_and_tolerates_partitions(tmp_path):
         (["--address", "127.0.0.1:6379", "--storage", "10.9.9.9"], "neither --storage nor"),
         (["--head", "--autoscaling-config", "/nonexistent.yaml"], "does not exist"),
         (["--head", "--partition-s", "0"], "--partition-s"),
+        (["--head", "--dashboard-host", "any"], "--dashboard-host: 'any' is not an IP address"),
     ],
 )
 def test_bad_node_flags_exit_2_with_one_line(argv, message, capsys):
@@ -86,3 +102,4 @@ def test_ray_up_configs_are_valid_ray_cluster_configs(name):
     assert "make install" in commands  # installs the project as the README does
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     assert sum("vericache node start" in c for c in starts) == 2
+    assert not any("dashboard-host" in c for c in starts)  # the dashboard stays on loopback
