@@ -8,7 +8,16 @@ do not pay for importing torch):
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# Exact mode needs matrix kernels whose per-row results do not depend on how many rows are
+# computed together (decoder.kernels; proved at start-up by decoder.selfcheck). oneDNN's
+# AVX-512 fp32 kernels (found on AMD EPYC with AVX-512) block rows differently by row
+# count, so a token's logits changed with its batch; its AVX2 kernels do not. oneDNN reads
+# this once, at its first primitive, so it is set before anything in the decoder runs (an
+# operator may override it; the self-check still decides whether exact mode holds).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 _EXPORTS = {
     "ModelConfig": "decoder.config",
