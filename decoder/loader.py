@@ -186,11 +186,39 @@ def _load_hf_folder(folder: Path, *, name: str) -> LoadedModel:
     )
 
 
+FINGERPRINT_CACHE = ".vericache-fingerprint.json"
+
+
 def _fingerprint(hf_config: dict, files: list[Path]) -> str:
+    """The model's identity in chunk keys and provenance statements: a SHA-256 of its
+    config and of every byte of every weight file (a fine-tune of the same architecture
+    gets another one). Hashed once per weight-file version, and cached beside the files
+    when that folder is writable."""
     h = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode())
     for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}".encode())
-        with f.open("rb") as fh:  # the safetensors header names every tensor and offset
-            h.update(fh.read(1 << 16))
+        h.update(f"{f.name}:{_file_digest(f)}".encode())
     return h.hexdigest()[:32]
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, cached in the folder by (name, size, mtime, inode)."""
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    cache_file = path.parent / FINGERPRINT_CACHE
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(path.name)
+    if isinstance(entry, dict) and entry.get("stamp") == stamp:
+        return entry["sha256"]
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    cache[path.name] = {"stamp": stamp, "sha256": h.hexdigest()}
+    with contextlib.suppress(OSError):  # a read-only folder: hash again next time
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    return cache[path.name]["sha256"]

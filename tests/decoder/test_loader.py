@@ -131,3 +131,21 @@ def test_broken_folders_are_clear_errors(tiny_hf_folder, tmp_path, breakage, mes
 def test_not_a_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="not a directory"):
         load_model(tmp_path / "missing")
+
+
+def test_the_fingerprint_covers_every_weight_byte(tiny_hf_folder, tmp_path):
+    """A fine-tune of the same architecture (one weight changed, deep in the file, same
+    header) is another model: its chunk keys and provenance statements differ."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_hf_folder[0], folder)
+    base = load_model(folder).fingerprint
+    assert load_model(folder).fingerprint == base  # the cached digest, same bytes
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last tensor's last element
+    weights.write_bytes(bytes(data))
+    tuned = load_model(folder).fingerprint
+    assert tuned != base
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert load_model(folder).fingerprint == base
