@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from prefix_store.data_plane import DataPlaneLimits
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -42,6 +44,8 @@ class ShardConfig:
     heartbeat_s: float = 1.0
     """Membership heartbeat period; the registration lives for `ttl_s`."""
     ttl_s: float = 5.0
+    data_limits: DataPlaneLimits = field(default_factory=DataPlaneLimits)
+    """Bounds of the data plane (tickets, connections, idle time, transfer deadlines)."""
     provenance_key: bytes = b""
     """The deployment's provenance public key (32 bytes, see `prefix_store.provenance`):
     signatures of puts are checked with it, and a put whose signature fails is refused.

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prefix_store.errors import StoreFull
 from prefix_store.status import code_of
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,31 @@ class Transfer:
     run: Callable[[socket.socket], None]
     close: Callable[[], None]
     expires: float
+    peer: str = ""
+    """The address the ticket was issued to ("" = any): only it may redeem it."""
+    nbytes: int = 0
+    """What the transfer moves; with `DataPlaneLimits.min_rate` it sets its deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneLimits:
+    """What one data plane holds at most, so that no client can exhaust it."""
+
+    ticket_ttl_s: float = 30.0
+    """An unredeemed ticket expires (releasing its leases) after this long."""
+    max_tickets: int = 1024
+    """Outstanding tickets; beyond it `issue` raises StoreFull (RESOURCE_EXHAUSTED)."""
+    max_connections: int = 256
+    """Open connections; beyond it a new one is told UNAVAILABLE and closed."""
+    idle_s: float = 15.0
+    """A connection that moves no byte for this long is closed (ticket read included)."""
+    deadline_s: float = 60.0
+    """Every transfer may take this long, or longer at `min_rate` for a large one..."""
+    min_rate: float = 8 * 1024 * 1024
+    """...bytes per second: a slower transfer is cut (the client fails over or retries)."""
+
+    def deadline(self, nbytes: int) -> float:
+        return max(self.deadline_s, nbytes / self.min_rate)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -127,16 +153,23 @@ def tune(sock: socket.socket) -> None:
 
 
 class DataPlane:
-    """A listener whose connections each redeem one ticket and stream its segments."""
+    """A listener whose connections each redeem one ticket and stream its segments.
 
-    def __init__(self, host: str, port: int = 0, ticket_ttl_s: float = 30.0) -> None:
-        self.ticket_ttl_s = ticket_ttl_s
+    Bounded (see `DataPlaneLimits`): tickets, connections, idle time and each transfer's
+    duration. The accept loop survives every error (e.g. EMFILE: it backs off and goes on)
+    and ends only at `stop`. A ticket is redeemable only from the address it was issued
+    to."""
+
+    def __init__(self, host: str, port: int = 0, limits: DataPlaneLimits | None = None) -> None:
+        self.limits = limits or DataPlaneLimits()
+        self.ticket_ttl_s = self.limits.ticket_ttl_s
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._tickets: dict[bytes, Transfer] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, float] = {}
+        """Open connections and the monotonic time by which each must be done."""
         self._thread = threading.Thread(target=self._accept, name="data-plane", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name="ticket-reaper", daemon=True)
 
@@ -145,16 +178,33 @@ class DataPlane:
         self._reaper.start()
 
     def _reap(self) -> None:
-        """Expire unused tickets (releasing their leases) even when no new ones are issued."""
+        """Expire unused tickets (releasing their leases) and cut transfers past their
+        deadline, even when nothing new arrives."""
         while not self._stopped.wait(min(1.0, self.ticket_ttl_s / 2)):
-            self._expire(time.monotonic())
+            now = time.monotonic()
+            self._expire(now)
+            self._cut_overdue(now)
 
-    def issue(self, run: Callable[[socket.socket], None], close: Callable[[], None]) -> bytes:
-        """Register a transfer; returns its single-use ticket."""
+    def issue(
+        self,
+        run: Callable[[socket.socket], None],
+        close: Callable[[], None],
+        peer: str = "",
+        nbytes: int = 0,
+    ) -> bytes:
+        """Register a transfer for `peer` (an address; "" = any); returns its single-use
+        ticket. StoreFull when `max_tickets` are outstanding (the caller releases what the
+        transfer held)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         self._expire(time.monotonic())
         with self._lock:
-            self._tickets[ticket] = Transfer(run, close, time.monotonic() + self.ticket_ttl_s)
+            if len(self._tickets) >= self.limits.max_tickets:
+                raise StoreFull(
+                    f"data plane: {len(self._tickets)} transfers are waiting to start "
+                    f"(max_tickets {self.limits.max_tickets}); retry shortly"
+                )
+            expires = time.monotonic() + self.ticket_ttl_s
+            self._tickets[ticket] = Transfer(run, close, expires, peer, nbytes)
         return ticket
 
     def _expire(self, now: float) -> None:
@@ -164,33 +214,69 @@ class DataPlane:
         for transfer in transfers:  # outside the lock: closing takes the shard's lock
             transfer.close()
 
+    def _cut_overdue(self, now: float) -> None:
+        with self._lock:
+            overdue = [c for c, deadline in self._connections.items() if deadline < now]
+        for conn in overdue:
+            log.warning("data plane: a transfer passed its deadline; cut")
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
     def _accept(self) -> None:
+        backoff = 0.01
         while not self._stopped.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as error:
+                if self._stopped.is_set():
+                    return
+                log.warning("data plane: accept failed (%s); retrying in %.2f s", error, backoff)
+                self._stopped.wait(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            backoff = 0.01
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            full = len(self._connections) >= self.limits.max_connections
+            if not full:
+                self._connections[conn] = time.monotonic() + self.limits.idle_s
+        if full:
+            with contextlib.suppress(OSError), conn:
+                conn.settimeout(1)
+                conn.sendall(error_frame("UNAVAILABLE", "data plane: too many connections"))
+            return
+        try:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        except RuntimeError:  # no thread to be had: as if full
+            self._forget(conn)
+            conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.pop(conn, None)
 
     def _serve(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._connections.add(conn)
         try:
             self._stream(conn)
         finally:
-            with self._lock:
-                self._connections.discard(conn)
+            self._forget(conn)
 
     def _stream(self, conn: socket.socket) -> None:
         with conn:
             tune(conn)
-            conn.settimeout(60)
+            conn.settimeout(self.limits.idle_s)
             transfer = self._redeem(conn)
             if transfer is None:
                 return
+            with self._lock:
+                if conn in self._connections:
+                    deadline = self.limits.deadline(transfer.nbytes)
+                    self._connections[conn] = time.monotonic() + deadline
             try:
                 transfer.run(conn)
-            except OSError as error:  # the client went away: nothing to report to
+            except OSError as error:  # the client went away, or was too slow: nobody to tell
                 log.info("data plane: transfer aborted: %s", error)
             except Exception as error:  # noqa: BLE001 - report it in band, then close
                 if code_of(error).name == "INTERNAL":
@@ -208,10 +294,15 @@ class DataPlane:
                 if not part:
                     return None
                 ticket += part
+            peer = conn.getpeername()[0].removeprefix("::ffff:")
         except OSError:
             return None
         with self._lock:
-            transfer = self._tickets.pop(bytes(ticket), None)
+            transfer = self._tickets.get(bytes(ticket))
+            if transfer is not None and transfer.peer and transfer.peer != peer:
+                transfer = None  # not yours: the ticket stays for its owner
+            elif transfer is not None:
+                del self._tickets[bytes(ticket)]
         if transfer is not None and transfer.expires < time.monotonic():
             transfer.close()
             transfer = None

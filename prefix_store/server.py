@@ -128,6 +128,17 @@ def client_stream(requests):
         raise Aborted("the client went away mid-stream; nothing was stored") from error
 
 
+def peer_host(peer: str) -> str:
+    """The address of a gRPC peer ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000"), as the data
+    plane sees the same client; "" when it is not an IP peer (then any address may redeem)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]").removeprefix("::ffff:")
+    return ""
+
+
 def proof_message(proof: Proof) -> pb.ChunkProof:
     return pb.ChunkProof(digest=proof.digest, signature=proof.signature)
 
@@ -277,7 +288,16 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             (layer, len(refs), head_major(segments, tokens, layout.num_kv_heads, row_bytes))
             for layer, segments in stream.layers()
         )
-        ticket = self.data_plane.issue(lambda conn: send_frames(conn, frames), stream.close)
+        try:
+            ticket = self.data_plane.issue(
+                lambda conn: send_frames(conn, frames),
+                stream.close,
+                peer_host(context.peer()),
+                stream.total_bytes,
+            )
+        except BaseException:
+            stream.close()
+            raise
         return pb.TransferTicket(
             ticket=ticket,
             data_address=self.data_address,
@@ -290,11 +310,14 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         if self.data_plane is None:
             raise InvalidArgument("OpenPut: this shard has no data plane; use Put")
         session = self._begin_put(request, context)
-        ticket = self.data_plane.issue(lambda conn: receive_put(conn, session), lambda: None)
+        total = session.layer_bytes * session.layout.num_layers
+        ticket = self.data_plane.issue(
+            lambda conn: receive_put(conn, session), lambda: None, peer_host(context.peer()), total
+        )
         return pb.TransferTicket(
             ticket=ticket,
             data_address=self.data_address,
-            total_bytes=session.layer_bytes * session.layout.num_layers,
+            total_bytes=total,
             expires_ms=int(self.data_plane.ticket_ttl_s * 1000),
         )
 
@@ -538,7 +561,7 @@ class ShardServer:
         self.data_plane = None
         data_address = ""
         if config.data_port is not None:
-            self.data_plane = DataPlane(config.host, config.data_port)
+            self.data_plane = DataPlane(config.host, config.data_port, config.data_limits)
             data_address = f"{config.advertised}:{self.data_plane.port}"
         self.servicer = PrefixStoreServicer(
             self.shard, self.metadata, config, self.data_plane, data_address
