@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from prefix_store.errors import InvalidArgument
-from prefix_store.metadata import Metadata, redact_url
+from prefix_store.metadata import DEFAULT_QUOTA, Metadata, redact_url
 
 UNITS = {
     "": 1,
@@ -123,11 +123,23 @@ def add_commands(sub) -> None:
     add.add_argument(
         "--quota",
         type=parse_bytes,
-        default=0,
-        help="bytes the tenant may store, replicas included (default unlimited)",
+        default=DEFAULT_QUOTA,
+        help="bytes the tenant may store, replicas included (default 8GiB; 0 = unlimited)",
     )
     add.add_argument("--redis-url")
     add.set_defaults(parse=lambda ns: ns, run=run_tenant_add)
+    rotate = tenant.add_parser(
+        "rotate", help="print a new bearer token for a tenant; the old one stops working"
+    )
+    rotate.add_argument("name")
+    rotate.add_argument("--redis-url")
+    rotate.set_defaults(parse=lambda ns: ns, run=run_tenant_rotate)
+    remove = tenant.add_parser(
+        "remove", help="delete a tenant: its token and memberships stop working"
+    )
+    remove.add_argument("name")
+    remove.add_argument("--redis-url")
+    remove.set_defaults(parse=lambda ns: ns, run=run_tenant_remove)
     lst = tenant.add_parser("list", help="tenants with quotas, usage and namespaces")
     lst.add_argument("--redis-url")
     lst.add_argument("--json", action="store_true")
@@ -138,9 +150,18 @@ def add_commands(sub) -> None:
     )
     nadd = space.add_parser("add", help="create a shared namespace or add members to it")
     nadd.add_argument("name")
-    nadd.add_argument("--member", action="append", default=[], help="tenant (repeatable)")
+    nadd.add_argument(
+        "--member", action="append", default=[], help="a tenant that may read and publish"
+    )
+    nadd.add_argument("--reader", action="append", default=[], help="a tenant that may only read")
+    nadd.add_argument("--owner", help="the tenant that may also delete what others stored")
     nadd.add_argument("--redis-url")
     nadd.set_defaults(parse=lambda ns: ns, run=run_namespace_add)
+    nrm = space.add_parser("remove-member", help="take a tenant out of a shared namespace")
+    nrm.add_argument("name")
+    nrm.add_argument("--member", required=True, help="the tenant to remove")
+    nrm.add_argument("--redis-url")
+    nrm.set_defaults(parse=lambda ns: ns, run=run_namespace_remove_member)
     nlist = space.add_parser("list", help="shared namespaces and their members")
     nlist.add_argument("--redis-url")
     nlist.set_defaults(parse=lambda ns: ns, run=run_namespace_list)
@@ -314,13 +335,37 @@ def run_tenant_list(ns) -> int:
     return 0
 
 
+def run_tenant_rotate(ns) -> int:
+    print(metadata(ns).rotate_token(ns.name))
+    return 0
+
+
+def run_tenant_remove(ns) -> int:
+    metadata(ns).remove_tenant(ns.name)
+    print(f"tenant {ns.name} removed")
+    return 0
+
+
+def _roles(md: Metadata, namespace: str) -> str:
+    return ", ".join(f"{m} ({role})" for m, role in md.roles(namespace).items()) or "-"
+
+
 def run_namespace_add(ns) -> int:
-    metadata(ns).add_shared(ns.name, ns.member)
-    print(f"namespace {ns.name}: members {', '.join(metadata(ns).shared_namespaces()[ns.name])}")
+    md = metadata(ns)
+    md.add_shared(ns.name, ns.member, ns.reader, ns.owner)
+    print(f"namespace {ns.name}: members {_roles(md, ns.name)}")
+    return 0
+
+
+def run_namespace_remove_member(ns) -> int:
+    md = metadata(ns)
+    md.remove_member(ns.name, ns.member)
+    print(f"namespace {ns.name}: members {_roles(md, ns.name)}")
     return 0
 
 
 def run_namespace_list(ns) -> int:
-    for name, members in metadata(ns).shared_namespaces().items():
-        print(f"{name}\t{','.join(members) or '-'}")
+    md = metadata(ns)
+    for name in md.shared_namespaces():
+        print(f"{name}\t{_roles(md, name)}")
     return 0

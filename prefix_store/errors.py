@@ -23,6 +23,10 @@ class Unauthenticated(StoreError):
     """Missing, malformed or unknown bearer token."""
 
 
+class PermissionDenied(StoreError):
+    """The caller's role in a namespace does not allow the call (a reader storing)."""
+
+
 class QuotaExceeded(StoreError):
     """A tenant's stored bytes would exceed its quota; the message carries the usage."""
 

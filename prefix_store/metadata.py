@@ -8,11 +8,12 @@ Redis runs with an append-only file).
 Keys (prefix "vc:"):
   vc:shard:<id>            JSON {address, ...stats}, expires after the shard's TTL
   vc:usage:<id>            hash tenant -> bytes stored on that shard, same TTL
-  vc:tenant:<name>         hash {quota, salt, created}
+  vc:tenant:<name>         hash {quota, salt, created, token (the token's sha256)}
   vc:tenants               set of tenant names
   vc:token:<sha256>        tenant name
-  vc:ns:<name>             hash {salt, created} of a shared namespace
-  vc:ns:<name>:members     set of tenant names
+  vc:ns:<name>             hash {salt, owner} of a shared namespace
+  vc:ns:<name>:members     set of tenant names (every role)
+  vc:ns:<name>:readers     the members that may only read
   vc:config                hash {replication}
 """
 
@@ -30,10 +31,12 @@ from urllib.parse import unquote, urlsplit
 import redis
 
 from prefix_store.errors import InvalidArgument, Unavailable
-from prefix_store.namespace import Namespace
+from prefix_store.namespace import OWNER, READER, WRITER, Namespace
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+DEFAULT_QUOTA = 8 << 30
+"""Bytes a new tenant may store (replicas included) unless given another quota."""
 SECRET_QUERY = re.compile(r"(?i)\b(password=)[^&]*")
 
 
@@ -51,6 +54,16 @@ def redact_url(url: str) -> str:
 
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return "vc_" + secrets.token_urlsafe(32)
+
+
+def role_of(member: bytes, owner: bytes | None, readers: set[bytes]) -> str:
+    if member == owner:
+        return OWNER
+    return READER if member in readers else WRITER
 
 
 def check_name(kind: str, name: str) -> str:
@@ -162,42 +175,125 @@ class Metadata:
 
     # ---- tenants and namespaces -----------------------------------------------------------
 
-    def add_tenant(self, name: str, quota: int = 0) -> str:
+    def add_tenant(self, name: str, quota: int = DEFAULT_QUOTA) -> str:
         """Create a tenant; returns its bearer token (shown once, stored only hashed)."""
         check_name("tenant", name)
         if quota < 0:
             raise InvalidArgument("quota: must be >= 0 bytes (0 = unlimited)")
-        token = "vc_" + secrets.token_urlsafe(32)
+        token = new_token()
 
         def write():
             if not self.redis.sadd(f"{self.p}:tenants", name):
                 raise InvalidArgument(f"tenant {name!r} already exists")
             self.redis.hset(
                 f"{self.p}:tenant:{name}",
-                mapping={"quota": quota, "salt": secrets.token_hex(16), "created": time.time()},
+                mapping={
+                    "quota": quota,
+                    "salt": secrets.token_hex(16),
+                    "created": time.time(),
+                    "token": token_digest(token),
+                },
             )
             self.redis.set(f"{self.p}:token:{token_digest(token)}", name)
 
         self._call(write)
         return token
 
+    def rotate_token(self, name: str) -> str:
+        """A new bearer token for `name`; the old one stops working at once (servers that
+        cached it: within their cache time, a few seconds)."""
+        self._require_tenant(name)
+        token = new_token()
+
+        def write():
+            old = self._token_digests(name)
+            pipe = self.redis.pipeline()
+            for digest in old:
+                pipe.delete(f"{self.p}:token:{digest}")
+            pipe.set(f"{self.p}:token:{token_digest(token)}", name)
+            pipe.hset(f"{self.p}:tenant:{name}", "token", token_digest(token))
+            pipe.execute()
+
+        self._call(write)
+        return token
+
+    def remove_tenant(self, name: str) -> None:
+        """Delete a tenant: its token, its record and its memberships. What it stored stays
+        until evicted (its private namespace is unreachable from then on)."""
+        self._require_tenant(name)
+
+        def write():
+            old = self._token_digests(name)
+            pipe = self.redis.pipeline()
+            for digest in old:
+                pipe.delete(f"{self.p}:token:{digest}")
+            pipe.delete(f"{self.p}:tenant:{name}")
+            pipe.srem(f"{self.p}:tenants", name)
+            pipe.execute()
+            for namespace in self.redis.smembers(f"{self.p}:namespaces"):
+                self._drop_member(namespace.decode(), name)
+
+        self._call(write)
+
+    def _token_digests(self, name: str) -> list[str]:
+        """The token digests naming `name` (the recorded one; a scan for older records)."""
+        recorded = self.redis.hget(f"{self.p}:tenant:{name}", "token")
+        if recorded:
+            return [recorded.decode()]
+        return [
+            key.decode().rsplit(":", 1)[1]
+            for key in self.redis.scan_iter(match=f"{self.p}:token:*", count=1000)
+            if self.redis.get(key) == name.encode()
+        ]
+
     def _require_tenant(self, name: str) -> None:
         if not self._call(self.redis.sismember, f"{self.p}:tenants", name):
             raise InvalidArgument(f"tenant {name!r} does not exist")
 
-    def add_shared(self, namespace: str, members: list[str]) -> None:
-        """Create (or extend) a shared namespace that `members` may read and write."""
+    def add_shared(
+        self,
+        namespace: str,
+        members: list[str],
+        readers: list[str] = (),
+        owner: str | None = None,
+    ) -> None:
+        """Create (or extend) a shared namespace: `members` may read and write (publish),
+        `readers` only read, `owner` (a member) may also delete what others stored."""
         check_name("namespace", namespace)
-        for member in members:
+        for member in [*members, *readers, *([owner] if owner else [])]:
             self._require_tenant(member)
+        writers = [*members, *([owner] if owner else [])]
 
         def write():
-            self.redis.hsetnx(f"{self.p}:ns:{namespace}", "salt", secrets.token_hex(16))
+            key = f"{self.p}:ns:{namespace}"
+            self.redis.hsetnx(key, "salt", secrets.token_hex(16))
             self.redis.sadd(f"{self.p}:namespaces", namespace)
-            if members:
-                self.redis.sadd(f"{self.p}:ns:{namespace}:members", *members)
+            if owner:
+                self.redis.hset(key, "owner", owner)
+            if writers:
+                self.redis.sadd(f"{key}:members", *writers)
+                self.redis.srem(f"{key}:readers", *writers)
+            if readers:
+                self.redis.sadd(f"{key}:members", *readers)
+                self.redis.sadd(f"{key}:readers", *readers)
 
         self._call(write)
+
+    def remove_member(self, namespace: str, member: str) -> None:
+        """Take `member` out of a shared namespace (effective within servers' cache time)."""
+        check_name("namespace", namespace)
+        if not self._call(self.redis.sismember, f"{self.p}:ns:{namespace}:members", member):
+            raise InvalidArgument(f"tenant {member!r} is not a member of {namespace!r}")
+        self._call(self._drop_member, namespace, member)
+
+    def _drop_member(self, namespace: str, member: str) -> None:
+        key = f"{self.p}:ns:{namespace}"
+        pipe = self.redis.pipeline()
+        pipe.srem(f"{key}:members", member)
+        pipe.srem(f"{key}:readers", member)
+        pipe.execute()
+        if self.redis.hget(key, "owner") == member.encode():
+            self.redis.hdel(key, "owner")
 
     def tenant_names(self) -> list[str]:
         return sorted(m.decode() for m in self._call(self.redis.smembers, f"{self.p}:tenants"))
@@ -212,6 +308,18 @@ class Metadata:
 
         return self._call(read)
 
+    def roles(self, namespace: str) -> dict[str, str]:
+        """Each member of a shared namespace and its role (owner, writer or reader)."""
+
+        def read():
+            key = f"{self.p}:ns:{namespace}"
+            members = self.redis.smembers(f"{key}:members")
+            readers = self.redis.smembers(f"{key}:readers")
+            owner = self.redis.hget(key, "owner")
+            return {m.decode(): role_of(m, owner, readers) for m in sorted(members)}
+
+        return self._call(read)
+
     def tenant(self, name: str) -> Tenant | None:
         def read():
             fields = self.redis.hgetall(f"{self.p}:tenant:{name}")
@@ -220,10 +328,15 @@ class Metadata:
             spaces = {"": Namespace(f"tenant:{name}", "", bytes.fromhex(fields[b"salt"].decode()))}
             for shared in self.redis.smembers(f"{self.p}:namespaces"):
                 shared = shared.decode()
-                if self.redis.sismember(f"{self.p}:ns:{shared}:members", name):
-                    salt = self.redis.hget(f"{self.p}:ns:{shared}", "salt")
+                key = f"{self.p}:ns:{shared}"
+                if self.redis.sismember(f"{key}:members", name):
+                    salt, owner = self.redis.hmget(key, "salt", "owner")
+                    readers = self.redis.smembers(f"{key}:readers")
                     spaces[shared] = Namespace(
-                        f"shared:{shared}", shared, bytes.fromhex(salt.decode())
+                        f"shared:{shared}",
+                        shared,
+                        bytes.fromhex(salt.decode()),
+                        role_of(name.encode(), owner, readers),
                     )
             return Tenant(name, int(fields[b"quota"]), spaces)
 

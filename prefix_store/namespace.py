@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OWNER, WRITER, READER = "owner", "writer", "reader"
+"""Roles in a namespace: readers look up and fetch; writers also store (publish through a
+decoder, or raw SDK puts); the owner also deletes what others stored. A tenant owns its
+private namespace. Anyone may delete what it stored itself (its quota pays for it)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
@@ -13,3 +18,9 @@ class Namespace:
     id: str
     name: str
     salt: bytes
+    role: str = OWNER
+    """The caller's role in it (`OWNER`, `WRITER`, `READER`)."""
+
+    @property
+    def writable(self) -> bool:
+        return self.role != READER

@@ -38,11 +38,12 @@ from prefix_store.data_plane import (
     recv_exact,
     send_frames,
 )
-from prefix_store.errors import Aborted, InvalidArgument
+from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.layout import KVLayout
 from prefix_store.metadata import Metadata, Tenant
+from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
-from prefix_store.shard import ChunkRef, Shard
+from prefix_store.shard import ChunkRef, Deletable, Shard
 from prefix_store.status import code_of
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,15 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         tenant = call.tenant
         return tenant, (namespace_of(tenant, namespace) if namespace is not None else None)
 
+    def _writer(self, call: Call, namespace: str):
+        """The caller and `namespace`, which its role must let it write."""
+        tenant, space = self._caller(call, namespace)
+        if not space.writable:
+            raise PermissionDenied(
+                f"namespace {namespace!r}: tenant {tenant.name!r} may read it, not write it"
+            )
+        return tenant, space
+
     @unary
     def Describe(self, request, context):
         tenant, _ = self._caller(context)
@@ -256,7 +266,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         raise Aborted("put: the stream ended before its commit; nothing was stored")
 
     def _begin_put(self, header, context):
-        tenant, space = self._caller(context, header.namespace)
+        tenant, space = self._writer(context, header.namespace)
         return self.shard.begin_put(
             space,
             layout_of(header),
@@ -347,16 +357,15 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 if part != "id":
                     raise InvalidArgument("put_artifact: the first message must be the id")
                 ident = message.id
-                tenant, space = self._caller(context, ident.namespace)
+                tenant, space = self._writer(context, ident.namespace)
                 layout = layout_of(ident)
                 self._check_spec(ident.compressor)
+                self._admit_artifact(ident.size, tenant.name)
             elif part == "data":
                 self.check_size("PutArtifactRequest", message.ByteSize())
                 size += len(message.data)
-                if size > self.config.max_put_bytes:
-                    raise InvalidArgument(
-                        f"data: artifact exceeds the per-put limit of {self.config.max_put_bytes}"
-                    )
+                if size > ident.size:
+                    raise InvalidArgument(f"data: more than the declared id.size ({ident.size})")
                 parts.append(message.data)
             elif part == "crc32c":
                 crc = message.crc32c
@@ -365,6 +374,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 raise InvalidArgument(f"put_artifact: unexpected {part or 'empty'} message")
         if crc is None:
             raise Aborted("put_artifact: the stream ended before its checksum; nothing was stored")
+        if size != ident.size:
+            raise InvalidArgument(f"data: {size} bytes arrived, id.size declared {ident.size}")
         data = b"".join(parts)
         if crc32c(data) != crc:
             raise InvalidArgument("crc32c: the artifact arrived corrupted")
@@ -380,6 +391,15 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             ident.signature,
         )
         return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
+
+    def _admit_artifact(self, size: int, owner: str) -> None:
+        """Refuse an artifact by its declared size, before any of its bytes is buffered."""
+        if not 0 < size <= self.config.max_put_bytes:
+            raise InvalidArgument(
+                f"id.size: {size} is not in [1, {self.config.max_put_bytes}] (declare the "
+                "artifact's size before its data)"
+            )
+        self.shard.admit(owner, self.quota, size)
 
     @staticmethod
     def _check_spec(spec: str) -> None:
@@ -409,12 +429,17 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 
     @unary
     def Delete(self, request, context):
-        _, space = self._caller(context, request.namespace)
+        """Deletes what the caller may: a namespace's owner anything in it, a writer what it
+        stored itself (its quota pays for it); readers nothing."""
+        tenant, space = self._writer(context, request.namespace)
+        if len(request.chunk_keys) > MAX_CHUNKS_PER_FETCH:
+            raise InvalidArgument(f"chunk_keys: at most {MAX_CHUNKS_PER_FETCH} per call")
+        mine = Deletable(tenant.name, space.role == OWNER)
         if request.chunk_keys:
-            chunks, artifacts, nbytes = self.shard.delete_keys(space, request.chunk_keys)
+            chunks, artifacts, nbytes = self.shard.delete_keys(space, request.chunk_keys, mine)
         else:
             chunks, artifacts, nbytes = self.shard.delete(
-                space, layout_of(request), request.token_ids
+                space, layout_of(request), request.token_ids, mine
             )
         return pb.DeleteResponse(chunks=chunks, artifacts=artifacts, bytes=nbytes)
 

@@ -94,6 +94,20 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Deletable:
+    """Whose blobs a delete may remove: its caller's own, or all when it owns the namespace."""
+
+    caller: str
+    everything: bool = False
+
+    def __call__(self, blob: Blob) -> bool:
+        return self.everything or blob.owner == self.caller
+
+
+ANYONE = Deletable("", everything=True)
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkRef:
     key: int
     tokens: int
@@ -527,9 +541,23 @@ class Shard:
 
     # ---- delete, stats, shutdown ------------------------------------------------------
 
-    def delete(self, namespace: Namespace, layout: KVLayout, token_ids: Sequence[int]):
-        """Drop every chunk of `token_ids` held here and the artifacts of those prefixes.
-        Returns (chunks, artifacts, bytes)."""
+    def admit(self, owner: str, quota: QuotaCheck, nbytes: int) -> None:
+        """Refuse `nbytes` more for `owner` now (quota, room), before they are received."""
+        allowance = quota(owner)
+        with self._lock:
+            self._check_quota(owner, allowance, nbytes)
+            if not self._room_for(nbytes):
+                raise StoreFull(f"shard {self.config.shard_id}: no room for {nbytes} bytes")
+
+    def delete(
+        self,
+        namespace: Namespace,
+        layout: KVLayout,
+        token_ids: Sequence[int],
+        may: Deletable = ANYONE,
+    ):
+        """Drop every chunk of `token_ids` held here and the artifacts of those prefixes,
+        those that `may` allows. Returns (chunks, artifacts, bytes)."""
         ids = validate_tokens(token_ids)
         keys = set(chunk_keys(ids, layout, namespace.salt))
         chunks = artifacts = nbytes = 0
@@ -538,7 +566,7 @@ class Shard:
                 blob = self._find(blob_id)
                 if blob is None or blob.namespace != namespace.id or blob.id[2] not in keys:
                     continue
-                if blob.layout != layout:
+                if blob.layout != layout or not may(blob):
                     continue
                 self._drop(blob_id)
                 chunks += blob.kind == "chunk"
@@ -546,20 +574,24 @@ class Shard:
                 nbytes += blob.nbytes
         return chunks, artifacts, nbytes
 
-    def delete_keys(self, namespace: Namespace, keys: Sequence[int]):
+    def delete_keys(self, namespace: Namespace, keys: Sequence[int], may: Deletable = ANYONE):
         """Undo a put of these chunks: each loses that put's claim and is dropped only when
         no other put committed it meanwhile (a concurrent publish that found it present
-        keeps it). Returns (chunks dropped, 0, bytes)."""
+        keeps it), and when `may` allows. Keys of absent chunks change nothing (no state is
+        kept for them). Returns (chunks dropped, 0, bytes)."""
         chunks = nbytes = 0
         with self._lock:
             for key in set(keys):
                 blob_id = chunk_id(namespace, key)
-                self._claims[blob_id] -= 1
-                if self._claims[blob_id] > 0:
+                blob = self._find(blob_id)
+                if blob is None or not may(blob):
                     continue
-                blob = self._drop(blob_id)
-                if blob is not None:
-                    chunks, nbytes = chunks + 1, nbytes + blob.nbytes
+                claims = self._claims.pop(blob_id, 0) - 1
+                if claims > 0:
+                    self._claims[blob_id] = claims
+                    continue
+                self._drop(blob_id)
+                chunks, nbytes = chunks + 1, nbytes + blob.nbytes
         return chunks, 0, nbytes
 
     def usage(self) -> dict[str, int]:

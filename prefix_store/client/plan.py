@@ -550,8 +550,12 @@ def artifact_statement_of(prefix: CachedPrefix, spec: str, data: bytes) -> bytes
 
 
 def artifact_messages(ident: pb.ArtifactId, data: bytes, step: int) -> Iterator:
-    """PutArtifact's stream: the id, the data in `step`-byte messages, the checksum."""
-    yield pb.PutArtifactRequest(id=ident)
+    """PutArtifact's stream: the id (declaring the size), the data in `step`-byte messages,
+    the checksum."""
+    declared = pb.ArtifactId()
+    declared.CopyFrom(ident)
+    declared.size = len(data)
+    yield pb.PutArtifactRequest(id=declared)
     for start in range(0, len(data), step):
         yield pb.PutArtifactRequest(data=data[start : start + step])
     yield pb.PutArtifactRequest(crc32c=crc32c(data))

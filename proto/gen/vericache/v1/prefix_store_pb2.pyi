@@ -199,20 +199,22 @@ class TransferTicket(_message.Message):
     def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
 
 class ArtifactId(_message.Message):
-    __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor", "signature")
+    __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor", "signature", "size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: KVLayout
     prefix_key: int
     prefix_tokens: int
     compressor: str
     signature: bytes
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_key: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., compressor: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    size: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_key: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., compressor: _Optional[str] = ..., signature: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PutArtifactRequest(_message.Message):
     __slots__ = ("id", "data", "crc32c")
