@@ -38,6 +38,9 @@ class DecoderConfig:
     prefix_cache: int = 8
     """Idle prefixes (with their compressed artifacts) kept for the next request."""
     client: ClientConfig = field(default_factory=ClientConfig)
+    store_clients: int = 64
+    """Callers' store clients kept (one per token, each with channels to the shards); the
+    least recently used beyond this is closed once no call or cached prefix uses it."""
 
     def __post_init__(self) -> None:
         if not self.store_endpoints:
@@ -48,3 +51,5 @@ class DecoderConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.store_clients < 1:
+            raise ValueError(f"store_clients must be >= 1, got {self.store_clients}")

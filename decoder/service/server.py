@@ -1,6 +1,9 @@
 """The Decoder gRPC service: `Generate` (a stream of verified tokens, then stats),
 `Publish` and `Info`, with health checking and reflection.
 
+Every method takes its request as raw bytes and first authenticates the caller's token
+against the store (`DecoderWorker.authenticate`): a caller without a known token gets
+UNAUTHENTICATED whatever it sends, before any byte of its request is parsed or tokenized.
 Every failure ends the call with a precise status (`decoder.service.status`): a bad
 request is INVALID_ARGUMENT, an unknown token UNAUTHENTICATED, a request larger than the
 whole KV budget RESOURCE_EXHAUSTED, a prefix whose full KV can be neither read nor
@@ -17,12 +20,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from vericache.v1 import decoder_pb2 as dpb
-from vericache.v1 import decoder_pb2_grpc as dpb_grpc
 
 from decoder.service.config import DecoderConfig
 from decoder.service.status import code_of
 from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
+from prefix_store.server import parse
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
@@ -35,44 +38,92 @@ def _fail(context: grpc.ServicerContext, error: Exception):
     context.abort(code, str(error) or type(error).__name__)
 
 
-def _handled(method):
-    @functools.wraps(method)
-    def handler(self, request, context):
-        try:
-            return method(self, request, context)
-        except Exception as error:  # noqa: BLE001 - every failure gets a precise status
-            _fail(context, error)
+def unary(message_class):
+    """A handler with one response: authenticate, then parse the request, then serve."""
 
-    return handler
+    def wrap(method):
+        @functools.wraps(method)
+        def handler(self, raw, context):
+            try:
+                token = bearer_token(context.invocation_metadata())
+                with self.worker.authenticate(token):
+                    return method(self, token, parse(message_class, raw), context)
+            except Exception as error:  # noqa: BLE001 - every failure gets a precise status
+                _fail(context, error)
+
+        return handler
+
+    return wrap
 
 
-class DecoderServicer(dpb_grpc.DecoderServicer):
+def streaming(message_class):
+    """A handler with a response stream: authenticate, then parse the request, then serve."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def handler(self, raw, context):
+            try:
+                token = bearer_token(context.invocation_metadata())
+                with self.worker.authenticate(token):
+                    yield from method(self, token, parse(message_class, raw), context)
+            except Exception as error:  # noqa: BLE001
+                _fail(context, error)
+
+        return handler
+
+    return wrap
+
+
+def event_message(event: tuple) -> dpb.GenerateEvent:
+    if event[0] == "tokens":
+        _, ids, text = event
+        return dpb.GenerateEvent(tokens=dpb.Tokens(ids=ids, text=text))
+    _, stop, stats = event
+    return dpb.GenerateEvent(done=dpb.Done(stop_reason=stop, stats_json=stats))
+
+
+class DecoderServicer:
+    """The Decoder's methods; each gets the caller's token and its parsed request."""
+
     def __init__(self, worker: DecoderWorker) -> None:
         self.worker = worker
 
-    def Generate(self, request, context):
-        try:
-            token = bearer_token(context.invocation_metadata())
-            spec = self.worker.parse_generate(request)
-            stream = self.worker.generate(token, spec, cancelled=lambda: not context.is_active())
-            for event in stream:
-                if event[0] == "tokens":
-                    _, ids, text = event
-                    yield dpb.GenerateEvent(tokens=dpb.Tokens(ids=ids, text=text))
-                else:
-                    _, stop, stats = event
-                    yield dpb.GenerateEvent(done=dpb.Done(stop_reason=stop, stats_json=stats))
-        except Exception as error:  # noqa: BLE001
-            _fail(context, error)
+    @streaming(dpb.GenerateRequest)
+    def Generate(self, token, request, context):
+        spec = self.worker.parse_generate(request)
+        for event in self.worker.generate(token, spec, cancelled=lambda: not context.is_active()):
+            yield event_message(event)
 
-    @_handled
-    def Publish(self, request, context):
-        return self.worker.publish(bearer_token(context.invocation_metadata()), request)
+    @unary(dpb.PublishRequest)
+    def Publish(self, token, request, context):
+        return self.worker.publish(token, request)
 
-    @_handled
-    def Info(self, request, context):
-        bearer_token(context.invocation_metadata())
+    @unary(dpb.InfoRequest)
+    def Info(self, token, request, context):
         return self.worker.info()
+
+
+def handlers(servicer: DecoderServicer) -> grpc.GenericRpcHandler:
+    """The service's method table, as the generated `add_DecoderServicer_to_server` builds
+    it, except that requests stay bytes: each handler authenticates before it parses."""
+
+    def serialize(message) -> bytes:
+        return message.SerializeToString()
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, response_serializer=serialize
+            ),
+            "Publish": grpc.unary_unary_rpc_method_handler(
+                servicer.Publish, response_serializer=serialize
+            ),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                servicer.Info, response_serializer=serialize
+            ),
+        },
+    )
 
 
 class DecoderServer:
@@ -85,7 +136,7 @@ class DecoderServer:
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="dec"),
             options=[("grpc.max_receive_message_length", 64 << 20)],
         )
-        dpb_grpc.add_DecoderServicer_to_server(DecoderServicer(self.worker), self.server)
+        self.server.add_generic_rpc_handlers((handlers(DecoderServicer(self.worker)),))
         health_servicer = health.HealthServicer()
         health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ from decoder.kv_source import FullKVSource
 from decoder.loader import LoadedModel, load_model
 from decoder.runner import ModelRunner, SeqInput
 from decoder.sampling import SamplingParams
+from decoder.service.clients import StoreClients
 from decoder.service.config import DecoderConfig
 from decoder.service.scheduler import Scheduler
 from decoder.service.status import BadRequest
@@ -86,16 +88,15 @@ class DecoderWorker:
         self.scheduler = Scheduler()
         self._engines: dict[tuple[str, str], Engine] = {}
         self._prefixes: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._clients: dict[str, StoreClient] = {}
+        self._clients = StoreClients(
+            config.store_endpoints, config.client, config.store_clients, self._clients_in_use
+        )
         self._lock = threading.Lock()
         parse_compressor(config.default_compressor)  # fail at start-up, not per request
 
     def close(self) -> None:
         self.scheduler.stop()
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
+        self._clients.close()
 
     # -- Info -----------------------------------------------------------------------------
 
@@ -114,9 +115,7 @@ class DecoderWorker:
     # -- Generate ---------------------------------------------------------------------------
 
     def parse_generate(self, request: dpb.GenerateRequest) -> GenerateSpec:
-        prompt = self._prompt_ids(request)
-        if len(prompt) < 2:
-            raise BadRequest("prompt: at least 2 tokens are needed (a prefix and one more)")
+        """The request validated: every cheap field first, the prompt (tokenized) last."""
         mode = request.mode or "vericache"
         if mode not in ENGINE_MODES:
             raise BadRequest(f"mode {mode!r} is unknown; choose from: {', '.join(ENGINE_MODES)}")
@@ -126,15 +125,27 @@ class DecoderWorker:
                 f"max_new_tokens must be in [1, {self.config.max_new_tokens}], "
                 f"got {request.max_new_tokens}"
             )
+        sampling = self._sampling(request.sampling)
+        horizon = request.horizon if request.HasField("horizon") else None
+        if horizon is not None and horizon > 256:
+            raise BadRequest(f"horizon must be <= 256, got {horizon}")
+        prompt = self._prompt_ids(request)
+        if len(prompt) < 2:
+            raise BadRequest("prompt: at least 2 tokens are needed (a prefix and one more)")
         limit = self.model.config.max_position_embeddings
         if len(prompt) + request.max_new_tokens > limit:
             raise BadRequest(
                 f"prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
                 f"exceeds the model's context of {limit}"
             )
-        s = request.sampling
+        return GenerateSpec(
+            prompt, request.namespace, mode, compressor, request.max_new_tokens, sampling, horizon
+        )
+
+    @staticmethod
+    def _sampling(s: dpb.Sampling) -> SamplingParams:
         try:
-            sampling = SamplingParams(
+            return SamplingParams(
                 s.temperature,
                 s.top_k,
                 s.top_p if 0 < s.top_p <= 1 else 1.0,
@@ -142,12 +153,6 @@ class DecoderWorker:
             )
         except ValueError as error:
             raise BadRequest(f"sampling: {error}") from None
-        horizon = request.horizon if request.HasField("horizon") else None
-        if horizon is not None and horizon > 256:
-            raise BadRequest(f"horizon must be <= 256, got {horizon}")
-        return GenerateSpec(
-            prompt, request.namespace, mode, compressor, request.max_new_tokens, sampling, horizon
-        )
 
     def generate(self, token: str, spec: GenerateSpec, cancelled=lambda: False) -> Iterator:
         """Yield (token ids, text) as tokens are verified, then the final (stop, stats)."""
@@ -268,14 +273,23 @@ class DecoderWorker:
         raise BadRequest("prompt: set text or token_ids")
 
     def client(self, token: str) -> StoreClient:
-        """A store client acting as the caller (its token decides what it may read)."""
+        """A store client acting as the caller (its token decides what it may read); the
+        store's Unauthenticated for a token it does not know (then nothing is kept)."""
+        return self._clients.get(token)
+
+    def authenticate(self, token: str) -> AbstractContextManager[StoreClient]:
+        """`client(token)`, kept open until the block (a call) ends: a call authenticates
+        with it before its request is read."""
+        return self._clients.held(token)
+
+    def cached_clients(self) -> int:
+        """Store clients kept for later calls (at most `config.store_clients` when idle)."""
+        return len(self._clients)
+
+    def _clients_in_use(self) -> list[StoreClient]:
+        """The clients cached prefixes read through (not closed while cached)."""
         with self._lock:
-            client = self._clients.get(token)
-        if client is None:
-            client = StoreClient(list(self.config.store_endpoints), token, self.config.client)
-            with self._lock:
-                client = self._clients.setdefault(token, client)
-        return client
+            return [e.prefix.source.client for e in self._prefixes.values() if e.cached is not None]
 
     def _engine(self, mode: str, compressor: str) -> Engine:
         key = (mode, compressor if mode != "full" else "")
