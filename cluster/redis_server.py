@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -73,7 +73,7 @@ class RedisServer:
     directory: Path
     host: str = "127.0.0.1"
     port: int = 0
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     """Required from every client; None = a generated one (kept across restarts). Only the
     characters of PASSWORD."""
     advertise_host: str | None = None

@@ -64,7 +64,7 @@ class ServeConfig:
     address: str | None = None
     """Ray cluster address ("auto" on a cluster node); None = embedded on this machine."""
     shards: int = 2
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)
     """Existing Redis; None = start one (a process here, or an actor on this cluster node)."""
     redis_port: int = 0
     """Port of the Redis this deployment starts (0 = a free one)."""
