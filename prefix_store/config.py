@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefix_store.data_plane import DataPlaneLimits
+from prefix_store.limits import CallBounds
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -39,6 +40,8 @@ class ShardConfig:
     """Largest single Put or PutArtifact stream."""
     workers: int = 32
     """gRPC server threads (concurrent RPCs)."""
+    calls: CallBounds = field(default_factory=CallBounds)
+    """Concurrent calls per tenant and in all (below `workers`), idle client streams."""
     grace_s: float = 2.0
     """Graceful shutdown: in-flight RPCs get this long to finish."""
     heartbeat_s: float = 1.0
@@ -53,6 +56,8 @@ class ShardConfig:
     signed, so none replaces a stored chunk."""
 
     def __post_init__(self) -> None:
+        if self.calls.total >= self.workers:
+            raise ValueError("calls.total must be below workers (threads for health checks)")
         if self.provenance_key and len(self.provenance_key) != 32:
             raise ValueError("provenance_key: a 32-byte Ed25519 public key, or empty")
         if self.memory_bytes < 0 or self.disk_bytes < 0:

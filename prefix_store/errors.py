@@ -31,6 +31,11 @@ class QuotaExceeded(StoreError):
     """A tenant's stored bytes would exceed its quota; the message carries the usage."""
 
 
+class LimitExceeded(StoreError):
+    """A caller holds as many concurrent calls as it may (or the server as many as it
+    serves); the message names the limit."""
+
+
 class StoreFull(StoreError):
     """Neither tier can take the data right now (everything left is leased)."""
 

@@ -40,11 +40,13 @@ from prefix_store.data_plane import (
 )
 from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.layout import KVLayout
+from prefix_store.limits import CallLimits, IdleStreams
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
 from prefix_store.shard import ChunkRef, Deletable, Shard
 from prefix_store.status import code_of
+from prefix_store.tls import bind, server_context
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.PrefixStore"
@@ -87,13 +89,15 @@ class Call:
 
 
 def unary(method):
-    """A handler with one response: authenticate, then read the request, then serve."""
+    """A handler with one response: authenticate, take one of the caller's call slots,
+    then read the request, then serve."""
 
     @functools.wraps(method)
     def handler(self, raw, context):
         try:
             call = self.authenticate(context)
-            return method(self, self.request(method.__name__, raw), call)
+            with self.limits.admit(call.tenant.name):
+                return method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001 - every failure gets a precise status
             _fail(context, error)
 
@@ -101,13 +105,14 @@ def unary(method):
 
 
 def streaming(method):
-    """A handler with a response stream: authenticate, then read the request, then serve."""
+    """A handler with a response stream: as `unary`, the slot held until the stream ends."""
 
     @functools.wraps(method)
     def handler(self, raw, context):
         try:
             call = self.authenticate(context)
-            yield from method(self, self.request(method.__name__, raw), call)
+            with self.limits.admit(call.tenant.name):
+                yield from method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001
             _fail(context, error)
 
@@ -166,6 +171,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.config = config
         self.auth = Authenticator(metadata)
         self.quota = QuotaGuard(metadata, config.shard_id)
+        self.limits = CallLimits(config.calls)
+        self.idle = IdleStreams(config.calls.stream_idle_s)
 
     def check_size(self, name: str, nbytes: int) -> None:
         if nbytes > self.config.max_message_bytes:
@@ -178,9 +185,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         """The call as its caller, from its metadata alone: no request byte is read first."""
         return Call(context, self.auth.tenant(context.invocation_metadata()))
 
-    def request(self, method: str, raw):
-        """`method`'s request parsed from `raw`; a client stream's messages parsed as read."""
+    def request(self, method: str, raw, context):
+        """`method`'s request parsed from `raw`; a client stream's messages parsed as read
+        (and the call cancelled when its next message is overdue)."""
         if method in STREAMS:
+            raw = self.idle.watch(context, iter(raw))
             return self._messages(STREAMS[method], raw) if STREAMS[method] else raw
         self.check_size(REQUESTS[method].__name__, len(raw))
         return parse(REQUESTS[method], raw)
@@ -552,7 +561,7 @@ def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
 
 def create_server(servicer: PrefixStoreServicer, config: ShardConfig) -> tuple[grpc.Server, int]:
     """A server with the store, health checking and reflection; binds `config.port`
-    (0 = a free port) and returns the port actually bound."""
+    (0 = a free port; TLS when `config.tls`) and returns the port actually bound."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="store"),
         options=server_options(config),
@@ -570,7 +579,7 @@ def create_server(servicer: PrefixStoreServicer, config: ShardConfig) -> tuple[g
         ),
         server,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = bind(server, f"{config.host}:{config.port}", config.tls)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     return server, port
@@ -586,7 +595,8 @@ class ShardServer:
         self.data_plane = None
         data_address = ""
         if config.data_port is not None:
-            self.data_plane = DataPlane(config.host, config.data_port, config.data_limits)
+            tls = server_context(config.tls) if config.tls is not None else None
+            self.data_plane = DataPlane(config.host, config.data_port, config.data_limits, tls)
             data_address = f"{config.advertised}:{self.data_plane.port}"
         self.servicer = PrefixStoreServicer(
             self.shard, self.metadata, config, self.data_plane, data_address

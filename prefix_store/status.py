@@ -13,13 +13,16 @@ _CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
     errors.Aborted: grpc.StatusCode.ABORTED,
 }
 
 _ERRORS: dict[grpc.StatusCode, type[errors.StoreError]] = {
-    code: cls for cls, code in _CODES.items() if cls is not errors.StoreFull
+    code: cls
+    for cls, code in _CODES.items()
+    if cls not in (errors.StoreFull, errors.LimitExceeded)
 }
 
 # Codes on which a client may try again (same shard after backoff, or a replica).
