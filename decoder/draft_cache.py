@@ -72,6 +72,7 @@ class DraftScratch:
             self._holds = None
         tag = (owner.uid, index)
         if self._holds != tag:
+            self._holds = None  # until filled: a fill that raises leaves nothing claimed
             buf.fill(owner.compressed.layers[index])
             self._holds = tag
         return buf
@@ -96,12 +97,12 @@ class DraftPrefix:
         """Make every layer buffer hold the prefix plus `tail_capacity` tail tokens."""
         if tail_capacity <= self.room:
             return
-        self.room = tail_capacity
         for index, layer in enumerate(self.compressed.layers):
             if not layer.quantized:
                 buf = _Buffer(*self.shape, layer.kept + tail_capacity)
                 buf.fill(layer)
                 self._resident[index] = buf
+        self.room = tail_capacity  # (only once every layer has it)
 
     @property
     def nbytes(self) -> int:

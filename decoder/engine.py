@@ -27,6 +27,13 @@ per request, shared by the requests that verify together. When a prefix's full K
 be read, the engine recomputes it locally if the budget allows, else fails the requests
 over it with `Unreachable`; tokens already emitted were verified, and nothing else is.
 
+Failures stay with the requests they belong to (`Engine.step`): an error in one request's
+admission (a compressed artifact that does not fit the model fails it with
+`ArtifactFormatError`), its own sampling, listener or draft tail fails that request alone; a
+draft pass that fails is retried prefix by prefix, and a prefix whose drafting still fails
+fails its own requests. Only a failure of a pass shared by several prefixes (a bug) fails
+the requests in flight, and the engine goes on serving the queue and later requests.
+
 Tokens are chosen by `decoder.sampling.Sampler`, keyed by output position, so the tokens
 of `vericache` are exactly the tokens of `full` (greedy or seeded sampling), whatever the
 batch, horizon, compressor, or where the prefix KV came from.
@@ -34,6 +41,7 @@ batch, horizon, compressor, or where the prefix KV came from.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -46,6 +54,7 @@ import torch
 
 from decoder.budget import KVBudget, OverBudget
 from decoder.compressors import CompressedKV, CompressorPipeline, parse_compressor
+from decoder.compressors.artifact import validate
 from decoder.config import Mode, ceil_to
 from decoder.draft_cache import DraftCache, DraftPrefix, DraftScratch
 from decoder.generate import GenerationResult
@@ -57,6 +66,7 @@ from decoder.sampling import Sampler, SamplingParams
 from decoder.staging import LayerRing, PassGroup, PrefixUnavailable
 from decoder.views import SharedPrefixView
 
+log = logging.getLogger(__name__)
 EngineMode = Literal["full", "lossy", "vericache"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("full", "lossy", "vericache")
 
@@ -70,7 +80,9 @@ class Prefix:
     observed: list[torch.Tensor] | None = None
     """Per layer, the rotated queries of the prefix's last tokens ([w, H, D])."""
     artifacts: dict[str, CompressedKV] = field(default_factory=dict)
-    """Compressed KV per canonical compressor spec, built once and shared by requests."""
+    """Compressed KV per canonical compressor spec, built once and shared by requests. One
+    put here by the caller (e.g. fetched from the store) is validated against the model
+    before use; one that does not fit fails the requests over it (ArtifactFormatError)."""
 
     def __post_init__(self) -> None:
         if self.source.length != len(self.tokens):
@@ -199,7 +211,10 @@ class Ticket:
         self.result, self.error = result, error
         self._done.set()
         if self.on_done is not None:
-            self.on_done()
+            try:
+                self.on_done()
+            except Exception:  # the request has ended either way
+                log.exception("a request's on_done listener failed")
 
 
 class Cancelled(Exception):
@@ -385,38 +400,74 @@ class Engine:
 
     def step(self) -> bool:
         """Admit what fits, prefill the new requests, advance everything one iteration.
-        Returns False when nothing could be done (the queue waits for room)."""
+        Returns False when nothing could be done (the queue waits for room).
+
+        Errors end requests, not the engine: one raised for one request (admission, its
+        draft state, sampling, listener) or for the requests over one prefix (their draft
+        pass) fails those alone; one raised by a pass shared by several prefixes fails the
+        requests in flight. Either way the others, the queue and later submissions go on;
+        a failed request's ticket raises its error."""
         self.runner.ensure_exact_supported()
         for a in self._active:
-            if a.ticket.cancelled and not a.done:
-                a.stop_reason = "error"
-                a.ticket._finish(None, Cancelled("the request was cancelled"))
+            if a.ticket.cancelled:
+                self._fail(a, Cancelled("the request was cancelled"))
         fresh = self._admit_queued()
-        if fresh:
-            self._prefill(fresh)
-        live = [a for a in self._active if not a.done]
-        if live:
-            {
-                "full": self._full_step,
-                "lossy": self._lossy_step,
-                "vericache": self._vericache_step,
-            }[self.config.mode](live)
-            self._iteration += 1
+        live: list[_Active] = []
+        try:
+            if fresh:
+                self._prefill(fresh)
+            live = [a for a in self._active if not a.done]
+            if live:
+                self._advance(live)
+        except Exception as error:  # not attributable to a request: a bug in a shared pass
+            log.exception("an engine pass failed; failing the requests in flight")
+            self.ring.cancel()
+            for a in self._active:
+                self._fail(a, error)
         self._retire()
         return bool(fresh or live)
 
     def close(self) -> None:
         """Stop the prefetch reader and fail whatever is still queued or in flight."""
+        self.abort(RuntimeError("the engine was closed"))
+
+    def abort(self, error: BaseException) -> None:
+        """Fail everything queued or in flight with `error`. The engine stays usable:
+        requests submitted afterwards are served."""
         self.ring.cancel()
         with self._lock:
             queued, self._queue = list(self._queue), deque()
         for t in queued:
-            t._finish(None, RuntimeError("the engine was closed"))
+            t._finish(None, error)
         for a in self._active:
-            if not a.done:
-                a.stop_reason = "error"
-                a.ticket._finish(None, RuntimeError("the engine was closed"))
+            self._fail(a, error)
         self._retire()
+
+    def _advance(self, live: list[_Active]) -> None:
+        {
+            "full": self._full_step,
+            "lossy": self._lossy_step,
+            "vericache": self._vericache_step,
+        }[self.config.mode](live)
+        self._iteration += 1
+
+    @staticmethod
+    def _fail(a: _Active, error: BaseException) -> None:
+        """End a request in flight with `error` (its budget is released by `_retire`)."""
+        if not a.done:
+            a.stop_reason = "error"
+            a.ticket._finish(None, error)
+
+    def _each(self, actives: list[_Active], values: Sequence, work: Callable) -> None:
+        """`work(a, value)` for each request still running; an error fails that one alone."""
+        for a, value in zip(actives, values, strict=True):
+            if a.done:
+                continue
+            try:
+                work(a, value)
+            except Exception as error:
+                log.warning("a request failed alone: %r", error, exc_info=True)
+                self._fail(a, error)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -477,11 +528,13 @@ class Engine:
 
     def _try_admit(self, ticket: Ticket) -> _Active | None:
         req = ticket.request
+        self._check_suffix(req)
         capacity = self._tail_capacity(req)
         group = self._groups.get(id(req.prefix))
         new_group = group is None
         t0 = time.perf_counter()
         if group is None:
+            self._check_artifact(req.prefix)
             group = _Group(req.prefix, req.prefix.source, room=capacity)
         own = self._own_bytes(capacity)
         buffers = self._buffers_growth(group, max(group.room, capacity))
@@ -499,6 +552,7 @@ class Engine:
                     f"{self.budget.limit} bytes"
                 )
             return None
+        room = group.room
         try:
             if new_group or capacity > group.room:
                 group.room = max(group.room, capacity)
@@ -506,6 +560,7 @@ class Engine:
             tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
             draft = DraftCache(group.draft, capacity) if group.draft is not None else None
         except BaseException:
+            group.room = room
             self.budget.release(need)
             raise
         group.charged += shared
@@ -530,6 +585,20 @@ class Engine:
             active.stats["pulled_bytes"] += group.source.nbytes  # the resident copy's pull
         active.stats["compress_s"] = time.perf_counter() - t0
         return active
+
+    def _check_suffix(self, req: Request) -> None:
+        """A token the runner would refuse fails this request here, not a shared pass."""
+        vocab = self.runner.config.vocab_size
+        bad = next((t for t in req.suffix if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"suffix: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _check_artifact(self, prefix: Prefix) -> None:
+        """The compressed prefix a new group drafts over must fit the model (one the caller
+        put in `prefix.artifacts` may not); raises ArtifactFormatError."""
+        if self.pipeline is not None:
+            compressed = self.compressed(prefix)
+            validate(compressed, self.runner.config, prefix.source.length, self.pipeline.spec)
 
     def _buffers_growth(self, group: _Group, room: int) -> int:
         """Budget bytes the group's shared buffers grow by to hold `room` tail tokens."""
@@ -665,9 +734,8 @@ class Engine:
             else f"the prefix's full KV is unreachable ({error.cause})"
         )
         for a in self._active:
-            if a.group is group and not a.done:
-                a.stop_reason = "error"
-                a.ticket._finish(None, reason)
+            if a.group is group:
+                self._fail(a, reason)
 
     def _recompute_into(self, group: _Group, cache: KVCache | None, cause) -> bool:
         """Exact prefill of the group's prefix here (bitwise the KV the store held)."""
@@ -701,16 +769,21 @@ class Engine:
         t0 = time.perf_counter()
         logits = self._exact_pass([(a, a.req.suffix, "last") for a in fresh])
         seconds = time.perf_counter() - t0
-        for a, lg in zip(fresh, logits, strict=True):
-            if a.done:
-                continue
-            a.stats["prefill_s"] = seconds
-            a.decode_start = time.perf_counter()
-            a.emit([a.sampler.choose(lg[-1], 0)])
-            if a.draft is not None:
-                a.draft.copy_tail(a.tail, 0, len(a.tail))
+        self._each(fresh, logits, lambda a, lg: self._start(a, lg, seconds))
         if self.config.mode == "vericache":
             self._plan_rounds([a for a in fresh if not a.done], self._iteration)
+
+    def _start(self, a: _Active, logits: torch.Tensor, prefill_s: float) -> None:
+        """A prefilled request: its first token, and its draft tail mirrors its exact one."""
+        a.stats["prefill_s"] = prefill_s
+        a.decode_start = time.perf_counter()
+        a.emit([a.sampler.choose(logits[-1], 0)])
+        if a.draft is not None:
+            a.draft.copy_tail(a.tail, 0, len(a.tail))
+
+    @staticmethod
+    def _emit_next(a: _Active, logits: torch.Tensor) -> None:
+        a.emit([a.sampler.choose(logits[-1], len(a.out))])
 
     def _full_step(self, live: list[_Active]) -> None:
         t0 = time.perf_counter()
@@ -718,16 +791,12 @@ class Engine:
         self.timers["full_s"] += time.perf_counter() - t0
         self.timers["full_steps"] += 1
         self.timers["steps"] += 1
-        for a, lg in zip(live, logits, strict=True):
-            if lg is not None:
-                a.emit([a.sampler.choose(lg[-1], len(a.out))])
+        self._each(live, logits, self._emit_next)
 
     def _lossy_step(self, live: list[_Active]) -> None:
         live = self._by_group(live)
-        seqs = [SeqInput.extend(a.draft, [a.last]) for a in live]
         self.timers["steps"] += 1
-        for a, lg in zip(live, self.runner.forward(seqs, self.config.draft_mode), strict=True):
-            a.emit([a.sampler.choose(lg[-1], len(a.out))])
+        self._each(live, self._draft_forward(live, lambda a: a.last), self._emit_next)
 
     def _vericache_step(self, live: list[_Active]) -> None:
         """One draft step for every request still drafting, then one verification pass for
@@ -807,16 +876,50 @@ class Engine:
     def _draft_step(self, drafting: list[_Active]) -> None:
         t0 = time.perf_counter()
         drafting = self._by_group(drafting)
-        seqs = [SeqInput.extend(a.draft, [a.drafts[-1] if a.drafts else a.last]) for a in drafting]
-        logits = self.runner.forward(seqs, self.config.draft_mode)
-        for a, lg in zip(drafting, logits, strict=True):
-            a.drafts.append(a.sampler.choose(lg[-1], len(a.out) + len(a.drafts)))
-            a.stats["draft_steps"] += 1
+        logits = self._draft_forward(drafting, lambda a: a.drafts[-1] if a.drafts else a.last)
+        self._each(drafting, logits, self._add_draft)
         seconds = time.perf_counter() - t0
         self.costs.record_draft_step(seconds, len(drafting))
         self.timers["draft_s"] += seconds
         self.timers["draft_steps"] += 1
         self.timers["steps"] += 1
+
+    @staticmethod
+    def _add_draft(a: _Active, logits: torch.Tensor) -> None:
+        a.drafts.append(a.sampler.choose(logits[-1], len(a.out) + len(a.drafts)))
+        a.stats["draft_steps"] += 1
+
+    def _draft_forward(self, actives: list[_Active], token_of: Callable[[_Active], int]) -> list:
+        """One draft-mode forward of one token per request (grouped by prefix); logits per
+        request. A failure is pinned on a prefix: the batch is undone and each prefix's
+        requests retried alone; those whose retry fails too fail with it (logits None)."""
+        groups = list(dict.fromkeys(a.group for a in actives))
+        try:
+            return self._forward_drafts(actives, token_of)
+        except Exception as error:
+            if len(groups) == 1:
+                log.warning("drafting over one prefix failed: %r", error, exc_info=True)
+                for a in actives:
+                    self._fail(a, error)
+                return [None] * len(actives)
+        logits = {}
+        for g in groups:
+            members = [a for a in actives if a.group is g]
+            logits.update(
+                zip(map(id, members), self._draft_forward(members, token_of), strict=True)
+            )
+        return [logits[id(a)] for a in actives]
+
+    def _forward_drafts(self, actives: list[_Active], token_of: Callable[[_Active], int]) -> list:
+        """One fast forward over the requests' draft caches, rolled back if it raises."""
+        kept = [a.draft.tail_length for a in actives]
+        seqs = [SeqInput.extend(a.draft, [token_of(a)]) for a in actives]
+        try:
+            return self.runner.forward(seqs, self.config.draft_mode)
+        except Exception:
+            for a, n in zip(actives, kept, strict=True):
+                a.draft.truncate(n)
+            raise
 
     def _verify(self, live: list[_Active]) -> None:
         t0 = time.perf_counter()
@@ -827,22 +930,25 @@ class Engine:
         self.costs.record_verification(len(live), tokens, seconds)
         self.timers["verify_s"] += seconds
         self.timers["verify_passes"] += 1
-        for a, lg, before in zip(live, logits, kept, strict=True):
-            if lg is None:
-                continue  # failed: its prefix is unreachable
-            choices = a.sampler.choose_rows(lg, len(a.out))
-            accepted = 0
-            while accepted < len(a.drafts) and a.drafts[accepted] == choices[accepted]:
-                accepted += 1
-            a.acceptance.record(len(a.drafts), accepted)
-            a.stats["verifications"] += 1
-            a.stats["drafted"] += len(a.drafts)
-            a.stats["accepted"] += accepted
-            taken = a.emit(choices[: accepted + 1])
-            # Verified KV of the inputs [last, d_1 .. d_accepted] stays; the rest rolls back.
-            a.tail.truncate(before + taken)
-            a.draft.truncate(before)
-            a.draft.copy_tail(a.tail, before, before + taken)
+        self._each(live, list(zip(logits, kept, strict=True)), lambda a, v: self._accept(a, *v))
+
+    @staticmethod
+    def _accept(a: _Active, logits: torch.Tensor, before: int) -> None:
+        """Emit the verified run of drafts plus the verifier's next token, roll back the rest
+        (`before`: the tail's length before the verification)."""
+        choices = a.sampler.choose_rows(logits, len(a.out))
+        accepted = 0
+        while accepted < len(a.drafts) and a.drafts[accepted] == choices[accepted]:
+            accepted += 1
+        a.acceptance.record(len(a.drafts), accepted)
+        a.stats["verifications"] += 1
+        a.stats["drafted"] += len(a.drafts)
+        a.stats["accepted"] += accepted
+        taken = a.emit(choices[: accepted + 1])
+        # Verified KV of the inputs [last, d_1 .. d_accepted] stays; the rest rolls back.
+        a.tail.truncate(before + taken)
+        a.draft.truncate(before)
+        a.draft.copy_tail(a.tail, before, before + taken)
 
     # -- retirement and results ---------------------------------------------------------------
 
@@ -859,10 +965,19 @@ class Engine:
                 self.budget.release(g.charged)
                 self._groups.pop(id(g.prefix), None)
             if a.stop_reason != "error":
-                a.ticket._finish(self._result(a), None)
+                self._deliver(a)
         self._active = keep
         if not self._active:
             self._release_idle_buffers()
+
+    def _deliver(self, a: _Active) -> None:
+        try:
+            result = self._result(a)
+        except Exception as error:
+            log.warning("a request's result failed: %r", error, exc_info=True)
+            a.ticket._finish(None, error)
+            return
+        a.ticket._finish(result, None)
 
     def _result(self, a: _Active) -> GenerationResult:
         s = a.stats

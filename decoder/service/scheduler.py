@@ -5,6 +5,10 @@ runs here, one thing at a time: the runner's kernels already use every core, and
 mode's guarantees assume nothing else runs in between. Jobs (`call`) run between engine
 steps; busy engines (one per mode and compressor spec) take turns step by step, so a
 long request never starves another mode's requests.
+
+An engine keeps a request's failure to that request (`Engine.step`); an error that escapes a
+step anyway (its state is then unknown) fails what that engine holds with that error, and the
+engine stays registered: other engines, and later requests to this one, are served.
 """
 
 from __future__ import annotations
@@ -80,16 +84,20 @@ class Scheduler:
                 if engine.busy:
                     try:
                         progress |= engine.step()
-                    except Exception:  # a bug: fail what is in flight, keep serving
+                    except Exception as error:  # a bug: fail what it holds, keep serving
                         log.exception("engine step failed")
-                        try:
-                            engine.close()
-                        except Exception:
-                            log.exception("engine close failed")
+                        self._abort(engine, error)
             if not progress:  # every queue waits for room: sleep until something changes
                 with self._wake:
                     if not self._jobs and not self._stopped:
                         self._wake.wait(timeout=0.05)
+
+    @staticmethod
+    def _abort(engine: Engine, error: Exception) -> None:
+        try:
+            engine.abort(error)
+        except Exception:
+            log.exception("engine abort failed")
 
     def _any_busy(self) -> bool:
         return any(engine.busy for engine in self._engines)
