@@ -33,7 +33,7 @@ from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.budget import KVBudget
 from decoder.compressors import CompressedKV, parse_compressor
-from decoder.compressors.artifact import from_bytes, to_bytes
+from decoder.compressors.artifact import ArtifactFormatError, from_bytes, to_bytes, validate
 from decoder.config import RunnerConfig
 from decoder.engine import ENGINE_MODES, Engine, EngineConfig, Prefix, Request, prefill_prefix
 from decoder.kv_source import FullKVSource
@@ -336,19 +336,27 @@ class DecoderWorker:
             del self._prefixes[key]
 
     def _ensure_artifact(self, entry: _Entry, spec: str) -> CompressedKV:
-        """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored."""
+        """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored.
+
+        A fetched artifact is used only if it fits this model and prefix (`validate`: layers,
+        heads, dims, dtypes, length, positions). One that does not (any writer of the prefix
+        may have stored it) is treated as missing: logged, never cached, rebuilt here from
+        the full KV (always correct) and stored in its place, so the request is served as on
+        a miss instead of failing, and no later request or worker meets it again."""
         with entry.lock:
             prefix = entry.prefix
             if spec in prefix.artifacts:
                 return prefix.artifacts[spec]
             compressed = None
             if entry.cached is not None:
-                data = entry.prefix.source.client.fetch_artifact(entry.cached, spec)
-                if data is not None:
-                    compressed = from_bytes(data)
-                    if compressed.prefix_length != prefix.source.length:
-                        log.warning("artifact %s has the wrong length; rebuilding", spec)
-                        compressed = None
+                data = prefix.source.client.fetch_artifact(entry.cached, spec)
+                try:
+                    if data is not None:
+                        compressed = from_bytes(data)
+                        validate(compressed, self.layout, prefix.source.length, spec)
+                except ArtifactFormatError as error:
+                    log.warning("stored artifact %s is unusable (%s); rebuilding it", spec, error)
+                    compressed = None
             if compressed is None:
                 compressed = self.scheduler.call(lambda: self._build_artifact(entry, spec))
             prefix.artifacts[spec] = compressed
