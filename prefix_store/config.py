@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prefix_store.data_plane import DataPlaneLimits
 from prefix_store.limits import CallBounds
+from prefix_store.tls import TLSClientConfig, TLSConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -54,6 +55,9 @@ class ShardConfig:
     signatures of puts are checked with it, and a put whose signature fails is refused.
     Empty: signatures are kept unchecked (decoders still check them) and no put counts as
     signed, so none replaces a stored chunk."""
+    tls: TLSConfig | None = None
+    """Serve gRPC and the data plane over TLS (mTLS when it has a client CA); None: in the
+    clear. PEM bytes, so that a shard actor on another host needs no certificate file."""
 
     def __post_init__(self) -> None:
         if self.calls.total >= self.workers:
@@ -105,6 +109,9 @@ class ClientConfig:
     pings go unanswered, and the transfer continues on a replica."""
     quarantine_s: float = 30.0
     """After a shard failed, transfers and calls prefer its replicas for this long."""
+    tls: TLSClientConfig | None = None
+    """Connect to the shards (gRPC and data plane) over TLS, verifying their certificates
+    (and presenting a client certificate to mTLS shards); None: in the clear."""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.stream_timeout_s <= 0 or self.idle_timeout_s <= 0:

@@ -17,6 +17,13 @@ contiguous region per head on both sides. Every segment of a layer passes its ch
 before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
 "STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
 connection closes.
+
+With TLS (`ShardConfig.tls`) every connection is a TLS session first: the handshake runs in
+the connection's own thread under its idle timeout (a client that never completes it holds
+nothing but that thread, and is cut like any idle connection), then the same frames flow
+inside it. A plaintext client's bytes fail the handshake and the connection is closed. TLS
+has no scatter-gather send: segments are coalesced into records of up to TLS_RECORD_BATCH
+bytes (one copy, in Python) before `sendall`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -43,6 +51,7 @@ IOV_BATCH = 512
 ERROR = b"VCER"
 TICKET_BYTES = 16
 SOCKET_BUFFER = 4 << 20
+TLS_RECORD_BATCH = 256 << 10
 
 
 @dataclass
@@ -131,7 +140,10 @@ def head_major(segments: list, tokens: list[int], kv_heads: int, row_bytes: int)
 
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:
-    """sendmsg the buffers in order, resuming after partial sends."""
+    """sendmsg the buffers in order, resuming after partial sends (TLS: `send_coalesced`)."""
+    if isinstance(sock, ssl.SSLSocket):
+        send_coalesced(sock, buffers)
+        return
     pending = [b for b in buffers if b.nbytes]
     first = 0
     while first < len(pending):
@@ -146,6 +158,22 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
                 sent = 0
 
 
+def send_coalesced(sock: ssl.SSLSocket, buffers: list) -> None:
+    """Send byte views in order: small ones joined up to TLS_RECORD_BATCH, large ones as they
+    are (a TLS socket has no sendmsg)."""
+    batch = bytearray()
+    for buffer in buffers:
+        if batch and len(batch) + buffer.nbytes > TLS_RECORD_BATCH:
+            sock.sendall(batch)
+            batch.clear()
+        if buffer.nbytes >= TLS_RECORD_BATCH:
+            sock.sendall(buffer)
+        else:
+            batch += buffer
+    if batch:
+        sock.sendall(batch)
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -158,10 +186,18 @@ class DataPlane:
     Bounded (see `DataPlaneLimits`): tickets, connections, idle time and each transfer's
     duration. The accept loop survives every error (e.g. EMFILE: it backs off and goes on)
     and ends only at `stop`. A ticket is redeemable only from the address it was issued
-    to."""
+    to. `tls`: a server-side context (`prefix_store.tls.server_context`) every connection
+    must complete a handshake with before anything else; None: plain TCP."""
 
-    def __init__(self, host: str, port: int = 0, limits: DataPlaneLimits | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        limits: DataPlaneLimits | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.limits = limits or DataPlaneLimits()
+        self._tls = tls
         self.ticket_ttl_s = self.limits.ticket_ttl_s
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
@@ -259,14 +295,41 @@ class DataPlane:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn = self._wrap(conn)
             self._stream(conn)
         finally:
             self._forget(conn)
+
+    def _wrap(self, conn: socket.socket) -> socket.socket:
+        """With TLS: the connection as a TLS socket, its handshake not yet done (no I/O
+        here), registered in the plain socket's place so that cuts reach it."""
+        if self._tls is None:
+            return conn
+        secure = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        with self._lock:
+            deadline = self._connections.pop(conn, None)
+            if deadline is not None:
+                self._connections[secure] = deadline
+        return secure
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        """Complete the TLS handshake (under the connection's timeout); False if it failed:
+        a plaintext client, an untrusted or missing client certificate, a timeout."""
+        if not isinstance(conn, ssl.SSLSocket):
+            return True
+        try:
+            conn.do_handshake()
+        except OSError as error:  # ssl.SSLError included
+            log.info("data plane: TLS handshake failed: %s", error)
+            return False
+        return True
 
     def _stream(self, conn: socket.socket) -> None:
         with conn:
             tune(conn)
             conn.settimeout(self.limits.idle_s)
+            if self._stopped.is_set() or not self._handshake(conn):
+                return
             transfer = self._redeem(conn)
             if transfer is None:
                 return

@@ -43,6 +43,7 @@ from prefix_store.client.sync import (
     _same,
     artifact_placement,
     channel_options,
+    data_plane_tls,
     exhausted,
     failover_error,
 )
@@ -52,6 +53,7 @@ from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailab
 from prefix_store.layout import KVLayout
 from prefix_store.shard import validate_tokens
 from prefix_store.status import FAILOVER
+from prefix_store.tls import make_aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class AsyncStoreClient:
             raise InvalidArgument("endpoints: at least one host:port is required")
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        self._data_tls = data_plane_tls(self.config)
         self.topology: Topology | None = None
 
     @classmethod
@@ -109,7 +112,7 @@ class AsyncStoreClient:
     def _channel(self, address: str, lane: int = 0) -> grpc.aio.Channel:
         channel = self._channels.get((address, lane))
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=channel_options(self.config))
+            channel = make_aio_channel(address, channel_options(self.config), self.config.tls)
             self._channels[(address, lane)] = channel
         return channel
 
@@ -216,6 +219,7 @@ class AsyncStoreClient:
                     chunks,
                     layers,
                     self.config.stream_timeout_s,
+                    self._data_tls,
                 )
             put = self._channel(self._address(target), lane).stream_unary(
                 PUT_METHOD,
@@ -337,6 +341,7 @@ class AsyncStoreClient:
             request.layer_start,
             self.config.timeout_s,
             cancels.track,
+            self._data_tls,
         )
 
     async def fetch_layers(self, prefix, k_out, v_out, layer_start=0, layer_end=None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,7 @@ from prefix_store.layout import KVLayout
 from prefix_store.provenance import Signer, Verifier
 from prefix_store.shard import validate_tokens
 from prefix_store.status import FAILOVER
+from prefix_store.tls import client_context, make_channel
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,11 @@ def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", int(config.idle_timeout_s * 500)),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+def data_plane_tls(config: ClientConfig) -> ssl.SSLContext | None:
+    """The data plane's TLS context for `config.tls` (built once per client); None: plain."""
+    return client_context(config.tls) if config.tls is not None else None
 
 
 def exhausted(error: NotFound, failed: frozenset, cause: StoreError | None) -> StoreError:
@@ -172,6 +179,7 @@ class StoreClient:
         if not self.endpoints:
             raise InvalidArgument("endpoints: at least one host:port is required")
         self._metadata = (("authorization", f"Bearer {token}"),)
+        self._data_tls = data_plane_tls(self.config)
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="store-client")
@@ -190,7 +198,7 @@ class StoreClient:
         with self._lock:
             channel = self._channels.get((address, lane))
             if channel is None:
-                channel = grpc.insecure_channel(address, options=channel_options(self.config))
+                channel = make_channel(address, channel_options(self.config), self.config.tls)
                 self._channels[(address, lane)] = channel
         return channel
 
@@ -355,7 +363,13 @@ class StoreClient:
                 )
                 address = self.topology.data_addresses[target]
                 return send_put(
-                    address, ticket.ticket, layout, chunks, layers, self.config.stream_timeout_s
+                    address,
+                    ticket.ticket,
+                    layout,
+                    chunks,
+                    layers,
+                    self.config.stream_timeout_s,
+                    self._data_tls,
                 )
             put = self._bulk_put(self._address(target), lane)
             messages = put_messages(
@@ -482,6 +496,7 @@ class StoreClient:
             layer_from,
             self.config.idle_timeout_s,
             track=handle.track,
+            tls=self._data_tls,
         )
 
     # ---- artifacts, delete, stats ---------------------------------------------------------

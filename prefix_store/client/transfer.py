@@ -1,10 +1,16 @@
 """The client side of the shard's bulk data plane (see prefix_store/data_plane.py): redeem
-a ticket and receive every frame straight into the caller's tensors."""
+a ticket and receive every frame straight into the caller's tensors.
+
+With TLS (an `ssl` client context, `prefix_store.tls.client_context`) the connection is a
+TLS session that verifies the shard's certificate against the CA and checks that it names
+the host of the data address dialled; a failed handshake is Unavailable like any socket
+failure (the transfer fails over to a replica)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 from collections.abc import Callable, Sequence
 
@@ -49,6 +55,19 @@ def host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def connect(address: str, timeout_s: float, tls: ssl.SSLContext | None) -> socket.socket:
+    """A tuned connection to the data plane at `address`: a TLS session verifying the
+    shard's certificate for the address's host when `tls` is given (handshake done)."""
+    host, port = host_port(address)
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        tune(sock)
+        return tls.wrap_socket(sock, server_hostname=host) if tls is not None else sock
+    except BaseException:
+        sock.close()
+        raise
+
+
 def receive(
     address: str,
     ticket: bytes,
@@ -57,17 +76,18 @@ def receive(
     layer_from: int,
     timeout_s: float,
     track: Callable[[object], None] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
     """Redeem `ticket` at `address` and write layers [layer_from, end) of `chunks` into
     the assembly. Socket failures raise Unavailable; an in-band error raises DataLoss
     (corrupt on the shard) or NotFound. `track` receives an object whose `cancel()` cuts
-    the connection, so that nothing is written into the outputs after a cancel."""
+    the connection, so that nothing is written into the outputs after a cancel. `tls`: see
+    `connect`."""
     layout = assembly.prefix.layout
     layers = assembly.layer_end - layer_from
     expected = sum(layout.segment_bytes(c.tokens) for c in chunks)
     try:
-        with socket.create_connection(host_port(address), timeout=timeout_s) as sock:
-            tune(sock)
+        with connect(address, timeout_s, tls) as sock:
             if track is not None:
                 track(Cancel(sock))
             sock.sendall(ticket)
@@ -97,14 +117,15 @@ def send_put(
     chunks: Sequence[ChunkPlan],
     layers,
     timeout_s: float,
+    tls: ssl.SSLContext | None = None,
 ) -> pb.PutResponse:
-    """Redeem an OpenPut ticket: every layer of `chunks` from the tensors (no copies), the
-    commit with each chunk's CRC-32C, then the shard's PutResponse or its typed error."""
+    """Redeem an OpenPut ticket: every layer of `chunks` from the tensors (no copies without
+    TLS), the commit with each chunk's CRC-32C, then the shard's PutResponse or its typed
+    error. `tls`: see `connect`."""
     crcs = chunk_crcs(layers, chunks)
     layer_bytes = sum(layout.segment_bytes(c.tokens) for c in chunks)
     try:
-        with socket.create_connection(host_port(address), timeout=timeout_s) as sock:
-            tune(sock)
+        with connect(address, timeout_s, tls) as sock:
             sock.sendall(ticket)
             for layer, (k, v) in enumerate(layers):
                 sock.sendall(HEADER.pack(OK, layer, len(chunks), layer_bytes))
