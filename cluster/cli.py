@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from cluster import decoder_cli, node_cli, store_cli
+from cluster import decoder_cli, node_cli, store_cli, tls_cli
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
+from prefix_store.tls import TLSClientConfig
 
 GENERATE_MODES = ("full", "lossy", "vericache")
 """Decoding modes of `vericache generate`: `full` is full-KV decoding (the reference),
@@ -58,6 +59,8 @@ class GenerateArgs:
     """A decoder's host:port: generate on the service instead of in this process."""
     token: str | None = None
     namespace: str = ""
+    tls: TLSClientConfig | None = None
+    """With --endpoint: TLS to the decoder (None: in the clear)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--namespace", default="", help="with --endpoint: shared namespace to look prefixes up in"
     )
+    tls_cli.add_client_flags(gen)
     gen.set_defaults(run=run_generate, parse=parse_generate)
 
     demo = sub.add_parser(
@@ -119,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_cli.add_commands(sub)
     decoder_cli.add_commands(sub)
     node_cli.add_commands(sub)
+    tls_cli.add_commands(sub)
     return parser
 
 
@@ -132,13 +137,14 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         raise UsageError(f"--mode {ns.mode!r} is unknown; choose from: {', '.join(GENERATE_MODES)}")
     if ns.threads is not None and ns.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {ns.threads}")
-    token = None
+    token = tls = None
     if ns.endpoint is not None:
         token = decoder_cli.token_of(ns, UsageError)
+        tls = tls_cli.client_tls(ns)
         if ns.model is not None or ns.runner != "exact" or ns.threads is not None:
             raise UsageError("--model, --runner and --threads are the service's with --endpoint")
-    elif ns.namespace:
-        raise UsageError("--namespace applies with --endpoint only")
+    elif ns.namespace or tls_cli.client_flags_given(ns):
+        raise UsageError("--namespace and --tls-* apply with --endpoint only")
     if ns.model is not None and not Path(ns.model).is_dir():
         raise UsageError(f"--model {ns.model}: not a directory")
     if ns.runner == "fast" and ns.mode != "full":
@@ -166,6 +172,7 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         endpoint=ns.endpoint,
         token=token,
         namespace=ns.namespace,
+        tls=tls,
     )
 
 

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from cluster import tls_cli
+
 
 def add_commands(sub) -> None:
     pub = sub.add_parser(
@@ -28,6 +30,7 @@ def add_commands(sub) -> None:
     pub.add_argument("--chat", action="store_true", help="wrap the text in the chat template")
     pub.add_argument("--endpoint", help="decoder host:port (default: the local service's)")
     pub.add_argument("--json", action="store_true")
+    tls_cli.add_client_flags(pub)
     pub.set_defaults(parse=parse_publish, run=run_publish)
 
 
@@ -38,12 +41,20 @@ def token_of(ns, usage_error) -> str:
     return token
 
 
-def default_endpoint(usage_error) -> str:
+def default_endpoint(usage_error, tls) -> str:
+    """The local service's first decoder; a usage error when there is none, or when it
+    serves TLS and `tls` (the client's) is None."""
     from cluster.serve import read_state
 
-    decoders = read_state().get("decoders") or []
+    state = read_state()
+    decoders = state.get("decoders") or []
     if not decoders:
         raise usage_error("the local service runs no decoder: pass --endpoint HOST:PORT")
+    if state.get("tls", "off") != "off" and tls is None:
+        raise usage_error(
+            f"the local service serves {state['tls']}: pass --tls-ca (and --tls-cert, "
+            "--tls-key under mtls) or set VERICACHE_TLS_CA (VERICACHE_TLS_CERT, _KEY)"
+        )
     return decoders[0]
 
 
@@ -55,14 +66,15 @@ def parse_publish(ns: argparse.Namespace) -> argparse.Namespace:
     if not ns.text:
         raise UsageError("the prefix text is empty")
     ns.compressor = [_parse_compressor(spec) for spec in ns.compressor]
-    ns.endpoint = ns.endpoint or default_endpoint(UsageError)
+    ns.tls = tls_cli.client_tls(ns)
+    ns.endpoint = ns.endpoint or default_endpoint(UsageError, ns.tls)
     return ns
 
 
 def run_publish(ns: argparse.Namespace) -> int:
     from decoder.service.client import DecoderClient
 
-    with DecoderClient(ns.endpoint, ns.token) as client:
+    with DecoderClient(ns.endpoint, ns.token, tls=ns.tls) as client:
         reply = client.publish(
             text=ns.text, chat=ns.chat, namespace=ns.shared, compressors=ns.compressor
         )
@@ -88,7 +100,7 @@ def run_remote_generate(args) -> int:
     """`vericache generate --endpoint`: the same flags and JSON as in-process mode."""
     from decoder.service.client import DecoderClient
 
-    with DecoderClient(args.endpoint, args.token) as client:
+    with DecoderClient(args.endpoint, args.token, tls=args.tls) as client:
         stream = client.stream(
             text=args.prompt,
             chat=args.chat,

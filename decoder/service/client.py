@@ -20,6 +20,7 @@ from vericache.v1 import decoder_pb2 as dpb
 from vericache.v1 import decoder_pb2_grpc as dpb_grpc
 
 from prefix_store.client.retry import rpc_error
+from prefix_store.tls import TLSClientConfig, make_channel
 
 
 @dataclass
@@ -39,10 +40,18 @@ class Piece:
 
 
 class DecoderClient:
-    def __init__(self, endpoint: str, token: str, timeout_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        token: str,
+        timeout_s: float = 3600.0,
+        tls: TLSClientConfig | None = None,
+    ) -> None:
+        """`tls`: connect with TLS, verifying the decoder's certificate (and presenting a
+        client certificate under mTLS); None: in the clear."""
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(endpoint)
+        self._channel = make_channel(endpoint, (), tls)
         self._stub = dpb_grpc.DecoderStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),)
 
