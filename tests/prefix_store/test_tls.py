@@ -162,6 +162,13 @@ def test_certs_refuses_a_bad_dir_in_one_line_with_status_2(tmp_path, capsys, cas
         assert (target / "ca.pem").read_text() == "an older CA"
 
 
+def test_serve_refuses_a_key_that_is_not_the_certificates_in_one_line(certs, capsys):
+    args = ["serve", "--tls-cert", str(certs / "server.pem")]
+    assert main([*args, "--tls-key", str(certs / "client-key.pem")]) == 2
+    err = capsys.readouterr().err
+    assert err == "vericache: error: cert, key and client_ca: the key is not the certificate's\n"
+
+
 # ---- round trips -----------------------------------------------------------------------------
 
 
