@@ -41,6 +41,9 @@ class DecoderConfig:
     store_clients: int = 64
     """Callers' store clients kept (one per token, each with channels to the shards); the
     least recently used beyond this is closed once no call or cached prefix uses it."""
+    auth_recheck_s: float = 2.0
+    """Seconds a kept client's token is trusted before the store is asked again: a rotated
+    or removed token is refused within this (plus the store's own 2 s token cache)."""
 
     def __post_init__(self) -> None:
         if not self.store_endpoints:
@@ -53,3 +56,5 @@ class DecoderConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.store_clients < 1:
             raise ValueError(f"store_clients must be >= 1, got {self.store_clients}")
+        if self.auth_recheck_s < 0:
+            raise ValueError(f"auth_recheck_s must be >= 0 s, got {self.auth_recheck_s}")

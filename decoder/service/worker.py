@@ -89,7 +89,11 @@ class DecoderWorker:
         self._engines: dict[tuple[str, str], Engine] = {}
         self._prefixes: OrderedDict[tuple, _Entry] = OrderedDict()
         self._clients = StoreClients(
-            config.store_endpoints, config.client, config.store_clients, self._clients_in_use
+            config.store_endpoints,
+            config.client,
+            config.store_clients,
+            config.auth_recheck_s,
+            self._clients_in_use,
         )
         self._lock = threading.Lock()
         parse_compressor(config.default_compressor)  # fail at start-up, not per request

@@ -142,6 +142,23 @@ def test_a_known_caller_gets_info_and_invalid_argument_for_garbage(decoder, meta
     assert decoder.worker.cached_clients() == 1
 
 
+def test_a_rotated_token_is_refused_and_its_client_let_go(decoder, metadata):
+    old = metadata.add_tenant("alice")
+    with grpc.insecure_channel(decoder.address) as channel:
+        assert raw_call(channel, "Info", b"", auth(old))[0] == grpc.StatusCode.OK
+        assert decoder.worker.cached_clients() == 1
+        new = metadata.rotate_token("alice")
+
+        def refused() -> bool:
+            return raw_call(channel, "Info", b"", auth(old))[0] == UNAUTHENTICATED
+
+        assert eventually(refused, timeout_s=10)  # the store's cache and ours: 2 s each
+        assert decoder.worker.cached_clients() == 0
+        for name in METHODS:
+            assert raw_call(channel, name, GARBAGE, auth(old))[0] == UNAUTHENTICATED
+        assert raw_call(channel, "Info", b"", auth(new))[0] == grpc.StatusCode.OK
+
+
 def test_unknown_tokens_leave_no_client_and_the_kept_ones_are_bounded(
     store, metadata, builtin_model
 ):
