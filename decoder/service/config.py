@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefix_store.config import ClientConfig
+from prefix_store.limits import CallBounds
+from prefix_store.tls import TLSConfig
 
 DEFAULT_COMPRESSOR = "snapkv:budget=0.125"
 
@@ -35,17 +37,30 @@ class DecoderConfig:
     """Upper bound a request may ask for."""
     max_workers: int = 32
     """Concurrent RPCs served."""
+    calls: CallBounds = field(default_factory=CallBounds)
+    """Concurrent calls per tenant and in all (below `max_workers`)."""
     prefix_cache: int = 8
     """Idle prefixes (with their compressed artifacts) kept for the next request."""
     client: ClientConfig = field(default_factory=ClientConfig)
+    """How this worker's store clients connect (`client.tls`: TLS to the shards)."""
+    tls: TLSConfig | None = None
+    """Serve gRPC over TLS (mTLS when it has a client CA); None: in the clear. PEM bytes, so
+    that a decoder actor on another host needs no certificate file."""
     store_clients: int = 64
     """Callers' store clients kept (one per token, each with channels to the shards); the
     least recently used beyond this is closed once no call or cached prefix uses it."""
     auth_recheck_s: float = 2.0
     """Seconds a kept client's token is trusted before the store is asked again: a rotated
     or removed token is refused within this (plus the store's own 2 s token cache)."""
+    provenance_key: bytes | None = field(default=None, repr=False)
+    """The deployment's private provenance key (32 bytes, `prefix_store.provenance`): this
+    worker signs the KV it publishes with it and verifies only against KV it signed. None:
+    a key of this worker's own, so that it trusts only what it published itself (other
+    workers recompute such prefixes); `vericache serve` gives every worker the deployment's."""
 
     def __post_init__(self) -> None:
+        if self.calls.total >= self.max_workers:
+            raise ValueError("calls.total must be below max_workers (threads for health checks)")
         if not self.store_endpoints:
             raise ValueError("store_endpoints: at least one host:port is required")
         if self.kv_budget is not None and self.kv_budget <= 0:

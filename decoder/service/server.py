@@ -25,7 +25,10 @@ from decoder.service.config import DecoderConfig
 from decoder.service.status import code_of
 from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
+from prefix_store.client import StoreClient
+from prefix_store.limits import CallLimits
 from prefix_store.server import parse
+from prefix_store.tls import bind
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
@@ -39,14 +42,15 @@ def _fail(context: grpc.ServicerContext, error: Exception):
 
 
 def unary(message_class):
-    """A handler with one response: authenticate, then parse the request, then serve."""
+    """A handler with one response: authenticate, take one of the caller's call slots,
+    then parse the request, then serve."""
 
     def wrap(method):
         @functools.wraps(method)
         def handler(self, raw, context):
             try:
                 token = bearer_token(context.invocation_metadata())
-                with self.worker.authenticate(token):
+                with self.worker.authenticate(token) as client, self.admit(client):
                     return method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001 - every failure gets a precise status
                 _fail(context, error)
@@ -57,14 +61,14 @@ def unary(message_class):
 
 
 def streaming(message_class):
-    """A handler with a response stream: authenticate, then parse the request, then serve."""
+    """A handler with a response stream: as `unary`, the slot held until the stream ends."""
 
     def wrap(method):
         @functools.wraps(method)
         def handler(self, raw, context):
             try:
                 token = bearer_token(context.invocation_metadata())
-                with self.worker.authenticate(token):
+                with self.worker.authenticate(token) as client, self.admit(client):
                     yield from method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001
                 _fail(context, error)
@@ -87,6 +91,11 @@ class DecoderServicer:
 
     def __init__(self, worker: DecoderWorker) -> None:
         self.worker = worker
+        self.limits = CallLimits(worker.config.calls)
+
+    def admit(self, client: StoreClient):
+        """One of the caller's call slots (its tenant, as the store named it)."""
+        return self.limits.admit(client.topology.tenant)
 
     @streaming(dpb.GenerateRequest)
     def Generate(self, token, request, context):
@@ -149,7 +158,7 @@ class DecoderServer:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = bind(self.server, f"{config.host}:{config.port}", config.tls)
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"

@@ -46,6 +46,8 @@ from decoder.service.scheduler import Scheduler
 from decoder.service.status import BadRequest
 from decoder.store_source import StoreKVSource, kv_layout
 from prefix_store.client import CachedPrefix, StoreClient
+from prefix_store.errors import StoreError
+from prefix_store.provenance import Signer, trusted_prefix
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -84,6 +86,7 @@ class DecoderWorker:
         )
         self.runner.ensure_exact_supported()
         self.layout = kv_layout(self.model.config, self.model.fingerprint)
+        self.signer = self._signer(config)
         self.budget = KVBudget(config.kv_budget)
         self.scheduler = Scheduler()
         self._engines: dict[tuple[str, str], Engine] = {}
@@ -97,6 +100,16 @@ class DecoderWorker:
         )
         self._lock = threading.Lock()
         parse_compressor(config.default_compressor)  # fail at start-up, not per request
+
+    @staticmethod
+    def _signer(config: DecoderConfig) -> Signer:
+        if config.provenance_key is not None:
+            return Signer(config.provenance_key)
+        log.warning(
+            "decoder %s: no deployment provenance key; it trusts only KV it publishes itself",
+            config.worker_id,
+        )
+        return Signer.generate()
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -164,7 +177,7 @@ class DecoderWorker:
         entry = self._entry(client, spec.prompt[:-1], spec.namespace)
         try:
             if spec.mode != "full":
-                self._ensure_artifact(entry, spec.compressor)
+                self._ensure_artifact(entry, spec.compressor, client)
             suffix = spec.prompt[entry.prefix.source.length :]
             engine = self._engine(spec.mode, spec.compressor)
             events: queue.Queue = queue.Queue()
@@ -241,12 +254,15 @@ class DecoderWorker:
                     k, v = torch.empty(shape), torch.empty(shape)
                     prefix.source.read_layer(index, k, v)
                     kv.append((k, v))
-                result = client.publish_prefix(tokens, kv, self.layout, request.namespace)
+                result = client.publish_prefix(
+                    tokens, kv, self.layout, request.namespace, signer=self.signer
+                )
                 del kv
                 specs = []
                 for pipeline in pipelines:
                     compressed = self._compress(pipeline, prefix.source, prefix.observed)
-                    client.put_artifact(result.prefix, pipeline.spec, to_bytes(compressed))
+                    data = to_bytes(compressed)
+                    client.put_artifact(result.prefix, pipeline.spec, data, signer=self.signer)
                     specs.append(pipeline.spec)
             finally:
                 self.budget.release(need)
@@ -309,7 +325,18 @@ class DecoderWorker:
         return engine
 
     def _entry(self, client: StoreClient, tokens: list[int], namespace: str) -> _Entry:
-        cached = client.lookup(tokens, self.layout, namespace)
+        """The prefix a request decodes over: the leading chunks of the longest cached prefix
+        that this deployment's decoders signed (docs/DESIGN.md section 8); anything else
+        stored for these tokens is never a verifier input, and is recomputed here."""
+        found = client.lookup(tokens, self.layout, namespace)
+        cached = trusted_prefix(found, tokens, self.signer.verifier)
+        if cached.tokens < found.tokens:
+            log.warning(
+                "decoder %s: %d of %d cached tokens carry no valid signature; recomputing them",
+                self.config.worker_id,
+                found.tokens - cached.tokens,
+                found.tokens,
+            )
         if cached.tokens == 0:
             return self._local_entry(tokens)
         key = (cached.namespace, cached.key, cached.tokens)
@@ -339,8 +366,12 @@ class DecoderWorker:
         for key in idle[: max(0, len(self._prefixes) - self.config.prefix_cache)]:
             del self._prefixes[key]
 
-    def _ensure_artifact(self, entry: _Entry, spec: str) -> CompressedKV:
-        """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored.
+    def _ensure_artifact(self, entry: _Entry, spec: str, client: StoreClient) -> CompressedKV:
+        """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored
+        (as the caller, `client`: its quota pays, its role must let it write).
+
+        Only an artifact signed by this deployment's decoders is fetched (another is as
+        good as missing: docs/DESIGN.md section 8).
 
         A fetched artifact is used only if it fits this model and prefix (`validate`: layers,
         heads, dims, dtypes, length, positions). One that does not (any writer of the prefix
@@ -353,7 +384,7 @@ class DecoderWorker:
                 return prefix.artifacts[spec]
             compressed = None
             if entry.cached is not None:
-                data = prefix.source.client.fetch_artifact(entry.cached, spec)
+                data = client.fetch_artifact(entry.cached, spec, self.signer.verifier)
                 try:
                     if data is not None:
                         compressed = from_bytes(data)
@@ -363,6 +394,8 @@ class DecoderWorker:
                     compressed = None
             if compressed is None:
                 compressed = self.scheduler.call(lambda: self._build_artifact(entry, spec))
+                if entry.cached is not None:
+                    self._store_artifact(client, entry.cached, spec, compressed)
             prefix.artifacts[spec] = compressed
             return compressed
 
@@ -372,10 +405,15 @@ class DecoderWorker:
         observed = prefix.observed
         if pipeline.observe_window and observed is None:
             observed = self._observe(prefix, pipeline.observe_window)
-        compressed = self._compress(pipeline, prefix.source, observed)
-        if entry.cached is not None:
-            prefix.source.client.put_artifact(entry.cached, spec, to_bytes(compressed))
-        return compressed
+        return self._compress(pipeline, prefix.source, observed)
+
+    def _store_artifact(self, client, cached: CachedPrefix, spec: str, compressed) -> None:
+        """Store a built artifact for later requests and workers, signed, as the caller; a
+        caller that may not (a reader, over quota) still gets its tokens."""
+        try:
+            client.put_artifact(cached, spec, to_bytes(compressed), signer=self.signer)
+        except StoreError as error:
+            log.info("artifact %s not stored for later requests: %s", spec, error)
 
     def _compress(self, pipeline, source: FullKVSource, observed) -> CompressedKV:
         c = self.model.config

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from cluster.cli import main
 from decoder.generate import generate_full
@@ -170,6 +171,42 @@ def test_isolation_private_and_shared_prefixes(
         member = client.generate(token_ids=doc_ids + [13], max_new_tokens=4, namespace="docs")
         assert member.stats["cached_tokens"] == len(doc_ids)
     assert member.tokens == outsider.tokens
+
+
+def test_a_members_forged_kv_cannot_change_another_members_output(
+    service, tenants, builtin_model, builtin_runner
+):
+    """A hostile member of a shared namespace stores random KV for a document through the
+    SDK (a raw, unsigned put): another member's output over that document still equals
+    full-KV decoding (the forged chunks are recomputed, never verified against). A put
+    signed with a key of the attacker's own is refused. A member's publish through a
+    decoder replaces the forged chunks, and later raw puts cannot displace them."""
+    from decoder.store_source import kv_layout
+    from prefix_store.provenance import Signer
+
+    doc_ids = builtin_model.encode(inspect.getsource(json.decoder))[:600]
+    prompt = doc_ids + builtin_model.encode("\n# What does scanstring do?\n")[1:]
+    want = reference(builtin_runner, builtin_model, prompt)
+    layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
+    shape = (layout.num_layers, 2, layout.num_kv_heads, len(doc_ids), layout.head_dim)
+    forged = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    endpoints = list(service.endpoints.values())
+    with StoreClient(endpoints, tenants["b"]) as attacker:
+        attacker.publish_prefix(doc_ids, forged, layout, namespace="docs")
+        assert attacker.lookup(doc_ids, layout, "docs").tokens == len(doc_ids)
+        with pytest.raises(InvalidArgument, match="signature does not verify"):
+            attacker.publish_prefix(doc_ids, forged, layout, "docs", signer=Signer.generate())
+    with decoder(service, tenants["a"]) as client:
+        reply = client.generate(token_ids=prompt, max_new_tokens=NEW, namespace="docs")
+        assert reply.tokens == want
+        assert reply.stats["cached_tokens"] == 0  # the forged KV was not used
+        client.publish(token_ids=doc_ids, namespace="docs", compressors=["snapkv:budget=0.125"])
+    with StoreClient(endpoints, tenants["b"]) as attacker:
+        attacker.publish_prefix(doc_ids, forged, layout, namespace="docs")  # changes nothing
+    with decoder(service, tenants["b"]) as client:
+        reply = client.generate(token_ids=prompt, max_new_tokens=NEW, namespace="docs")
+        assert reply.tokens == want
+        assert reply.stats["cached_tokens"] == len(doc_ids)
 
 
 def test_a_caller_that_goes_away_frees_the_decoder(service, tenants, document, builtin_model):
