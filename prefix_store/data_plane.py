@@ -29,6 +29,8 @@ bytes (one copy, in Python) before `sendall`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import secrets
 import socket
@@ -50,6 +52,9 @@ DONE = b"VCOK"
 IOV_BATCH = 512
 ERROR = b"VCER"
 TICKET_BYTES = 16
+PROOF_BYTES = 32
+"""A connection opens with its ticket and a proof of the tenant it was issued to:
+HMAC-SHA256(SHA-256(bearer token), ticket) (`redemption`)."""
 SOCKET_BUFFER = 4 << 20
 TLS_RECORD_BATCH = 256 << 10
 
@@ -66,6 +71,18 @@ class Transfer:
     """The address the ticket was issued to ("" = any): only it may redeem it."""
     nbytes: int = 0
     """What the transfer moves; with `DataPlaneLimits.min_rate` it sets its deadline."""
+    owner_key: bytes = b""
+    """`token_key` of the tenant it was issued to (b"" = any): only its proof redeems it."""
+    ticket: bytes = b""
+
+    def redeemable(self, peer: str, proof: bytes) -> bool:
+        """Whether a connection from `peer` opening with `proof` may redeem the ticket."""
+        if self.peer and self.peer != peer:
+            return False
+        if not self.owner_key:
+            return True
+        expected = hmac.new(self.owner_key, self.ticket, hashlib.sha256).digest()
+        return hmac.compare_digest(expected, proof)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +104,16 @@ class DataPlaneLimits:
 
     def deadline(self, nbytes: int) -> float:
         return max(self.deadline_s, nbytes / self.min_rate)
+
+
+def token_key(token: str) -> bytes:
+    """What a shard keeps of a tenant's token to check its data-plane proofs."""
+    return hashlib.sha256(token.encode()).digest()
+
+
+def redemption(ticket: bytes, token: str) -> bytes:
+    """What a client sends first on a data-plane connection: the ticket and its proof."""
+    return ticket + hmac.new(token_key(token), ticket, hashlib.sha256).digest()
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -227,10 +254,11 @@ class DataPlane:
         close: Callable[[], None],
         peer: str = "",
         nbytes: int = 0,
+        owner_key: bytes = b"",
     ) -> bytes:
-        """Register a transfer for `peer` (an address; "" = any); returns its single-use
-        ticket. StoreFull when `max_tickets` are outstanding (the caller releases what the
-        transfer held)."""
+        """Register a transfer for `peer` (an address; "" = any) and the tenant whose
+        `token_key` is `owner_key` (b"" = any); returns its single-use ticket. StoreFull
+        when `max_tickets` are outstanding (the caller releases what the transfer held)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         self._expire(time.monotonic())
         with self._lock:
@@ -240,7 +268,7 @@ class DataPlane:
                     f"(max_tickets {self.limits.max_tickets}); retry shortly"
                 )
             expires = time.monotonic() + self.ticket_ttl_s
-            self._tickets[ticket] = Transfer(run, close, expires, peer, nbytes)
+            self._tickets[ticket] = Transfer(run, close, expires, peer, nbytes, owner_key, ticket)
         return ticket
 
     def _expire(self, now: float) -> None:
@@ -350,22 +378,19 @@ class DataPlane:
                 transfer.close()
 
     def _redeem(self, conn: socket.socket) -> Transfer | None:
-        ticket = bytearray()
+        opening = bytearray(TICKET_BYTES + PROOF_BYTES)
         try:
-            while len(ticket) < TICKET_BYTES:
-                part = conn.recv(TICKET_BYTES - len(ticket))
-                if not part:
-                    return None
-                ticket += part
+            recv_exact(conn, memoryview(opening))
             peer = conn.getpeername()[0].removeprefix("::ffff:")
-        except OSError:
+        except (OSError, ConnectionError):
             return None
+        ticket, proof = bytes(opening[:TICKET_BYTES]), bytes(opening[TICKET_BYTES:])
         with self._lock:
-            transfer = self._tickets.get(bytes(ticket))
-            if transfer is not None and transfer.peer and transfer.peer != peer:
+            transfer = self._tickets.get(ticket)
+            if transfer is not None and not transfer.redeemable(peer, proof):
                 transfer = None  # not yours: the ticket stays for its owner
             elif transfer is not None:
-                del self._tickets[bytes(ticket)]
+                del self._tickets[ticket]
         if transfer is not None and transfer.expires < time.monotonic():
             transfer.close()
             transfer = None

@@ -24,7 +24,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store import wire
-from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
+from prefix_store.auth import Authenticator, QuotaGuard, bearer_token, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import (
@@ -37,6 +37,7 @@ from prefix_store.data_plane import (
     read_frame_header,
     recv_exact,
     send_frames,
+    token_key,
 )
 from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.layout import KVLayout
@@ -203,6 +204,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         tenant = call.tenant
         return tenant, (namespace_of(tenant, namespace) if namespace is not None else None)
 
+    @staticmethod
+    def _owner_key(call: Call) -> bytes:
+        """What binds a data-plane ticket to the caller's tenant (see `redemption`)."""
+        return token_key(bearer_token(call.invocation_metadata()))
+
     def _writer(self, call: Call, namespace: str):
         """The caller and `namespace`, which its role must let it write."""
         tenant, space = self._caller(call, namespace)
@@ -313,6 +319,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 stream.close,
                 peer_host(context.peer()),
                 stream.total_bytes,
+                self._owner_key(context),
             )
         except BaseException:
             stream.close()
@@ -331,7 +338,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         session = self._begin_put(request, context)
         total = session.layer_bytes * session.layout.num_layers
         ticket = self.data_plane.issue(
-            lambda conn: receive_put(conn, session), lambda: None, peer_host(context.peer()), total
+            lambda conn: receive_put(conn, session),
+            lambda: None,
+            peer_host(context.peer()),
+            total,
+            self._owner_key(context),
         )
         return pb.TransferTicket(
             ticket=ticket,

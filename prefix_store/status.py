@@ -20,9 +20,7 @@ _CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
 }
 
 _ERRORS: dict[grpc.StatusCode, type[errors.StoreError]] = {
-    code: cls
-    for cls, code in _CODES.items()
-    if cls not in (errors.StoreFull, errors.LimitExceeded)
+    code: cls for cls, code in _CODES.items() if cls not in (errors.StoreFull, errors.LimitExceeded)
 }
 
 # Codes on which a client may try again (same shard after backoff, or a replica).

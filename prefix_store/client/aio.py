@@ -49,6 +49,7 @@ from prefix_store.client.sync import (
 )
 from prefix_store.client.transfer import receive, send_put
 from prefix_store.config import ClientConfig
+from prefix_store.data_plane import redemption
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.shard import validate_tokens
@@ -86,6 +87,7 @@ class AsyncStoreClient:
         if not self.endpoints:
             raise InvalidArgument("endpoints: at least one host:port is required")
         self._metadata = (("authorization", f"Bearer {token}"),)
+        self._token = token
         self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
         self._data_tls = data_plane_tls(self.config)
         self.topology: Topology | None = None
@@ -214,7 +216,7 @@ class AsyncStoreClient:
                 return await asyncio.to_thread(
                     send_put,
                     self.topology.data_addresses[target],
-                    ticket.ticket,
+                    redemption(ticket.ticket, self._token),
                     layout,
                     chunks,
                     layers,
@@ -335,7 +337,7 @@ class AsyncStoreClient:
         await asyncio.to_thread(
             receive,
             address,
-            ticket.ticket,
+            redemption(ticket.ticket, self._token),
             assembly,
             chunks,
             request.layer_start,

@@ -46,6 +46,7 @@ from prefix_store.client.plan import (
 from prefix_store.client.retry import retrying, rpc_error
 from prefix_store.client.transfer import receive, send_put
 from prefix_store.config import ClientConfig
+from prefix_store.data_plane import redemption
 from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.provenance import Signer, Verifier
@@ -179,6 +180,7 @@ class StoreClient:
         if not self.endpoints:
             raise InvalidArgument("endpoints: at least one host:port is required")
         self._metadata = (("authorization", f"Bearer {token}"),)
+        self._token = token
         self._data_tls = data_plane_tls(self.config)
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
         self._lock = threading.Lock()
@@ -364,7 +366,7 @@ class StoreClient:
                 address = self.topology.data_addresses[target]
                 return send_put(
                     address,
-                    ticket.ticket,
+                    redemption(ticket.ticket, self._token),
                     layout,
                     chunks,
                     layers,
@@ -490,7 +492,7 @@ class StoreClient:
         address = self.topology.data_addresses[shard_id]
         receive(
             address,
-            ticket.ticket,
+            redemption(ticket.ticket, self._token),
             handle.assembly,
             chunks,
             layer_from,

@@ -78,8 +78,8 @@ def receive(
     track: Callable[[object], None] | None = None,
     tls: ssl.SSLContext | None = None,
 ) -> None:
-    """Redeem `ticket` at `address` and write layers [layer_from, end) of `chunks` into
-    the assembly. Socket failures raise Unavailable; an in-band error raises DataLoss
+    """Redeem `ticket` (a `redemption`) at `address` and write layers [layer_from, end) of
+    `chunks` into the assembly. Socket failures raise Unavailable; an in-band error raises DataLoss
     (corrupt on the shard) or NotFound. `track` receives an object whose `cancel()` cuts
     the connection, so that nothing is written into the outputs after a cancel. `tls`: see
     `connect`."""

@@ -13,7 +13,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store.client.transfer import host_port
-from prefix_store.data_plane import ERROR, HEADER, read_error
+from prefix_store.data_plane import ERROR, HEADER, read_error, redemption
 from prefix_store.errors import NotFound
 from tests.prefix_store.conftest import LAYOUT, random_kv
 
@@ -58,7 +58,7 @@ def test_non_contiguous_outputs_fall_back_to_grpc_and_still_match(store, metadat
 def test_an_unknown_ticket_gets_an_in_band_error(store, metadata):
     server = store.start()
     with socket.create_connection(host_port(server.data_address), timeout=5) as sock:
-        sock.sendall(b"\x00" * 16)
+        sock.sendall(b"\x00" * 48)
         header = sock.recv(HEADER.size, socket.MSG_WAITALL)
         magic, _, _, size = HEADER.unpack(header)
         assert magic == ERROR
@@ -83,7 +83,7 @@ def test_a_ticket_holds_a_lease_until_it_expires_unused(store, metadata):
         time.sleep(1.5)  # the reaper expires it although no other ticket is issued
         assert server.shard.counts()["leased"] == 0
         with socket.create_connection(host_port(ticket.data_address), timeout=5) as sock:
-            sock.sendall(ticket.ticket)  # the expired ticket no longer works
+            sock.sendall(redemption(ticket.ticket, token))  # expired: no longer works
             magic, *_ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
             assert magic == ERROR
 

@@ -14,7 +14,14 @@ import time
 
 import pytest
 
-from prefix_store.data_plane import HEADER, DataPlane, DataPlaneLimits, read_error
+from prefix_store.data_plane import (
+    HEADER,
+    DataPlane,
+    DataPlaneLimits,
+    read_error,
+    redemption,
+    token_key,
+)
 from prefix_store.errors import StoreFull
 
 
@@ -74,7 +81,7 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors(plane_with):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(opened) < 64, "the descriptor limit was never reached"
     with connect(plane) as sock:  # still accepting, still answering
-        sock.sendall(b"x" * 16)
+        sock.sendall(b"x" * 48)
         assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
 
 
@@ -97,7 +104,7 @@ def test_a_too_slow_reader_is_cut_at_its_deadline_and_its_transfer_released(plan
 
     ticket = plane.issue(run, released.set)
     with connect(plane) as sock:
-        sock.sendall(ticket)
+        sock.sendall(redemption(ticket, "any"))
         sock.recv(1024)  # reads a little, then stalls
         start = time.monotonic()
         assert released.wait(15), "the stalled transfer was never cut"
@@ -126,10 +133,25 @@ def test_a_ticket_is_redeemable_only_from_its_address(plane_with):
     ran = threading.Event()
     elsewhere = plane.issue(lambda conn: ran.set(), lambda: None, peer="10.9.9.9")
     with connect(plane) as sock:  # a sniffed ticket, redeemed from another address
-        sock.sendall(elsewhere)
+        sock.sendall(redemption(elsewhere, "any"))
         assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
     assert not ran.is_set()
     here = plane.issue(lambda conn: ran.set(), lambda: None, peer="127.0.0.1")
     with connect(plane) as sock:
-        sock.sendall(here)
+        sock.sendall(redemption(here, "any"))
+        assert ran.wait(5)
+
+
+def test_a_ticket_is_redeemable_only_by_its_tenant(plane_with):
+    """A ticket that leaks (no TLS) is worthless without its tenant's token."""
+    plane = plane_with()
+    ran = threading.Event()
+    ticket = plane.issue(lambda conn: ran.set(), lambda: None, owner_key=token_key("alice"))
+    for thief in (ticket + bytes(32), redemption(ticket, "mallory")):
+        with connect(plane) as sock:
+            sock.sendall(thief)
+            assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
+    assert not ran.is_set()
+    with connect(plane) as sock:
+        sock.sendall(redemption(ticket, "alice"))
         assert ran.wait(5)

@@ -91,7 +91,7 @@ def plane_reply(address: str, context: ssl.SSLContext | None) -> bytes:
     with socket.create_connection((host, port), timeout=5) as raw:
         try:
             sock = context.wrap_socket(raw, server_hostname=host) if context else raw
-            sock.sendall(b"\x00" * 16)
+            sock.sendall(b"\x00" * 48)
             while chunk := sock.recv(4096):
                 received += chunk
         except TimeoutError:
