@@ -129,6 +129,7 @@ def generate_request(
     top_p: float = 1.0,
     seed: int | None = None,
     namespace: str = "",
+    use_unsigned_prefix: bool = False,
 ) -> dpb.GenerateRequest:
     request = dpb.GenerateRequest(
         chat=chat,
@@ -136,6 +137,7 @@ def generate_request(
         mode=mode,
         compressor=compressor,
         namespace=namespace,
+        use_unsigned_prefix=use_unsigned_prefix,
         sampling=dpb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
     )
     if seed is not None:

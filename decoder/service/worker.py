@@ -74,6 +74,8 @@ class GenerateSpec:
     max_new_tokens: int
     sampling: SamplingParams
     horizon: int | None
+    use_unsigned_prefix: bool = False
+    """Verify against the caller's own unsigned KV too (its private namespace only)."""
 
 
 class DecoderWorker:
@@ -87,6 +89,8 @@ class DecoderWorker:
         self.runner.ensure_exact_supported()
         self.layout = kv_layout(self.model.config, self.model.fingerprint)
         self.signer = self._signer(config)
+        self._max_token_chars = max(map(len, self.model.tokenizer.get_vocab()))
+        """The longest token's text: a text longer than this times the context cannot fit."""
         self.budget = KVBudget(config.kv_budget)
         self.scheduler = Scheduler()
         self._engines: dict[tuple[str, str], Engine] = {}
@@ -155,8 +159,20 @@ class DecoderWorker:
                 f"prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
                 f"exceeds the model's context of {limit}"
             )
+        if request.use_unsigned_prefix and request.namespace:
+            raise BadRequest(
+                "use_unsigned_prefix: only for the caller's private namespace; a shared "
+                "namespace is verified against signed KV only"
+            )
         return GenerateSpec(
-            prompt, request.namespace, mode, compressor, request.max_new_tokens, sampling, horizon
+            prompt,
+            request.namespace,
+            mode,
+            compressor,
+            request.max_new_tokens,
+            sampling,
+            horizon,
+            request.use_unsigned_prefix,
         )
 
     @staticmethod
@@ -174,7 +190,7 @@ class DecoderWorker:
     def generate(self, token: str, spec: GenerateSpec, cancelled=lambda: False) -> Iterator:
         """Yield (token ids, text) as tokens are verified, then the final (stop, stats)."""
         client = self.client(token)
-        entry = self._entry(client, spec.prompt[:-1], spec.namespace)
+        entry = self._entry(client, spec.prompt[:-1], spec.namespace, spec.use_unsigned_prefix)
         try:
             if spec.mode != "full":
                 self._ensure_artifact(entry, spec.compressor, client)
@@ -278,19 +294,33 @@ class DecoderWorker:
     # -- internals --------------------------------------------------------------------------
 
     def _prompt_ids(self, request) -> list[int]:
+        """The prompt's token ids; INVALID_ARGUMENT for one that cannot fit the model's
+        context (text too long for it is refused before it is tokenized)."""
         which = request.WhichOneof("prompt")
+        limit = self.model.config.max_position_embeddings
         if which == "text":
             if not request.text:
                 raise BadRequest("prompt: the text is empty")
-            return self.model.encode(request.text, chat=request.chat)
+            if len(request.text) > limit * self._max_token_chars:
+                raise BadRequest(
+                    f"prompt: {len(request.text)} characters cannot fit the model's context "
+                    f"of {limit} tokens"
+                )
+            return self._fits(self.model.encode(request.text, chat=request.chat), limit)
         if which == "token_ids":
-            ids = list(request.token_ids.ids)
+            ids = self._fits(list(request.token_ids.ids), limit)
             vocab = self.model.config.vocab_size
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise BadRequest(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
             return ids
         raise BadRequest("prompt: set text or token_ids")
+
+    @staticmethod
+    def _fits(ids: list[int], limit: int) -> list[int]:
+        if len(ids) > limit:
+            raise BadRequest(f"prompt: {len(ids)} tokens exceed the model's context of {limit}")
+        return ids
 
     def client(self, token: str) -> StoreClient:
         """A store client acting as the caller (its token decides what it may read); the
@@ -324,13 +354,20 @@ class DecoderWorker:
                 self.scheduler.add_engine(engine)
         return engine
 
-    def _entry(self, client: StoreClient, tokens: list[int], namespace: str) -> _Entry:
+    def _entry(
+        self, client: StoreClient, tokens: list[int], namespace: str, unsigned: bool = False
+    ) -> _Entry:
         """The prefix a request decodes over: the leading chunks of the longest cached prefix
         that this deployment's decoders signed (docs/DESIGN.md section 8); anything else
-        stored for these tokens is never a verifier input, and is recomputed here."""
+        stored for these tokens is never a verifier input, and is recomputed here. With
+        `unsigned` (the caller's private namespace, its explicit choice) the whole cached
+        prefix, kept apart from the signed one."""
         found = client.lookup(tokens, self.layout, namespace)
         cached = trusted_prefix(found, tokens, self.signer.verifier)
-        if cached.tokens < found.tokens:
+        unsigned = unsigned and cached.tokens < found.tokens
+        if unsigned:
+            cached = found
+        elif cached.tokens < found.tokens:
             log.warning(
                 "decoder %s: %d of %d cached tokens carry no valid signature; recomputing them",
                 self.config.worker_id,
@@ -339,7 +376,7 @@ class DecoderWorker:
             )
         if cached.tokens == 0:
             return self._local_entry(tokens)
-        key = (cached.namespace, cached.key, cached.tokens)
+        key = (cached.namespace, cached.key, cached.tokens, unsigned)
         with self._lock:
             entry = self._prefixes.get(key)
             if entry is None:

@@ -5,10 +5,16 @@ leaves the decoder serving. Real store shard, Redis and the built-in model on lo
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
+from decoder.engine import prefill_prefix
+from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
+from decoder.store_source import kv_layout, publish_source
+from prefix_store.errors import InvalidArgument
 from prefix_store.limits import CallBounds
 from tests.decoder.service.test_auth import serve
 from tests.hostile import sweep
@@ -55,5 +61,53 @@ def test_every_method_survives_hostile_input(store, metadata, builtin_model):
 
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        decoder.stop(0)
+
+
+def test_prompts_that_cannot_fit_the_context_are_refused_before_work(
+    store, metadata, builtin_model
+):
+    decoder = serve(store.endpoints, builtin_model)
+    token = metadata.add_tenant("long")
+    limit = builtin_model.config.max_position_embeddings
+    try:
+        with DecoderClient(decoder.address, token) as client:
+            with pytest.raises(InvalidArgument, match=f"context of {limit}"):
+                client.publish(token_ids=[13] * (limit + 1))
+            started = time.monotonic()
+            with pytest.raises(InvalidArgument, match=f"context of {limit} tokens"):
+                client.publish(text="word " * (limit * 100))
+            assert time.monotonic() - started < 5  # refused before tokenizing
+    finally:
+        decoder.stop(0)
+
+
+def test_a_tenant_may_opt_in_to_its_own_unsigned_kv_in_its_private_namespace(
+    store, metadata, builtin_model, builtin_runner
+):
+    """Raw SDK puts are unsigned: decoders recompute them, unless their owner explicitly
+    asks to verify against them (its private namespace only)."""
+    decoder = serve(store.endpoints, builtin_model)
+    token = metadata.add_tenant("own")
+    metadata.add_shared("docs", ["own"])
+    doc = builtin_model.encode("def add(a, b):\n    return a + b\n" * 20)
+    prompt = doc + builtin_model.encode("# add(2, 3) is")[1:]
+    want = generate_full(
+        builtin_runner, [prompt], max_new_tokens=8, eos_token_ids=builtin_model.eos_token_ids
+    )[0].tokens
+    layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
+    with store.client(token) as raw:  # the exact KV, stored without a decoder's signature
+        publish_source(raw, doc, prefill_prefix(builtin_runner, doc, 1).source, layout)
+    try:
+        with DecoderClient(decoder.address, token) as client:
+            default = client.generate(token_ids=prompt, max_new_tokens=8)
+            assert default.stats["cached_tokens"] == 0 and default.tokens == want
+            own = client.generate(token_ids=prompt, max_new_tokens=8, use_unsigned_prefix=True)
+            assert own.stats["cached_tokens"] == len(doc) and own.tokens == want
+            with pytest.raises(InvalidArgument, match="private namespace"):
+                client.generate(
+                    token_ids=prompt, max_new_tokens=8, namespace="docs", use_unsigned_prefix=True
+                )
     finally:
         decoder.stop(0)
