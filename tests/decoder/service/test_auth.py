@@ -17,11 +17,8 @@ from vericache.v1 import decoder_pb2 as dpb
 
 from cluster.redis_server import RedisServer
 from decoder.service.client import DecoderClient
-from decoder.service.config import DecoderConfig
-from decoder.service.server import DecoderServer
-from decoder.service.worker import DecoderWorker
-from prefix_store.config import ClientConfig
 from prefix_store.metadata import Metadata
+from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
 
 SERVICE = dpb.DESCRIPTOR.services_by_name["Decoder"]
@@ -54,14 +51,6 @@ def raw_call(channel: grpc.Channel, name: str, payload: bytes, metadata, timeout
     return grpc.StatusCode.OK, ""
 
 
-def serve(endpoints, model, **overrides) -> DecoderServer:
-    overrides.setdefault("client", ClientConfig(timeout_s=10, retries=2, backoff_s=0.05))
-    config = DecoderConfig(tuple(endpoints), **overrides)
-    server = DecoderServer(config, DecoderWorker(config, model=model))
-    server.start()
-    return server
-
-
 def connections_to(port: int) -> int:
     """TCP connections this process holds open to `port` (its client side)."""
     sockets = set()
@@ -89,14 +78,6 @@ def eventually(check, timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-@pytest.fixture
-def store(metadata, redis_server, tmp_path):
-    store = Store(redis_server.url, tmp_path)
-    store.start()
-    yield store
-    store.close()
 
 
 @pytest.fixture

@@ -16,17 +16,8 @@ from decoder.service.client import DecoderClient
 from decoder.store_source import kv_layout, publish_source
 from prefix_store.errors import InvalidArgument
 from prefix_store.limits import CallBounds
-from tests.decoder.service.test_auth import serve
+from tests.decoder.service.conftest import serve
 from tests.hostile import sweep
-from tests.prefix_store.conftest import Store
-
-
-@pytest.fixture
-def store(metadata, redis_server, tmp_path):
-    store = Store(redis_server.url, tmp_path)
-    store.start()
-    yield store
-    store.close()
 
 
 def test_a_tenant_over_its_call_limit_is_told_so_and_others_are_served(
