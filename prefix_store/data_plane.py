@@ -54,7 +54,7 @@ ERROR = b"VCER"
 TICKET_BYTES = 16
 PROOF_BYTES = 32
 """A connection opens with its ticket and a proof of the tenant it was issued to:
-HMAC-SHA256(SHA-256(bearer token), ticket) (`redemption`)."""
+HMAC-SHA256(token_key(bearer token), ticket) (`redemption`)."""
 SOCKET_BUFFER = 4 << 20
 TLS_RECORD_BATCH = 256 << 10
 
@@ -107,8 +107,9 @@ class DataPlaneLimits:
 
 
 def token_key(token: str) -> bytes:
-    """What a shard keeps of a tenant's token to check its data-plane proofs."""
-    return hashlib.sha256(token.encode()).digest()
+    """What a shard keeps of a tenant's token to check its data-plane proofs (keyed apart
+    from the token digest that Redis stores, so reading Redis does not give it)."""
+    return hmac.new(token.encode(), b"vericache data-plane ticket", hashlib.sha256).digest()
 
 
 def redemption(ticket: bytes, token: str) -> bytes:

@@ -331,19 +331,22 @@ class Shard:
         allowance = quota(owner)
         with self._lock:
             self._refuse_doomed(blobs)
-            stale = [b.id for b in blobs if self._replaces(b)]
-            self._refuse_leased(stale)
-            new = [b for b in blobs if b.id in stale or self._find(b.id) is None]
+            stale = [self._find(b.id) for b in blobs if self._replaces(b)]
+            self._refuse_leased([old.id for old in stale])
+            replaced = {old.id for old in stale}
+            new = [b for b in blobs if b.id in replaced or self._find(b.id) is None]
             new_bytes = sum(b.nbytes for b in new)
-            self._check_quota(owner, allowance, new_bytes)
-            if not self._room_for(new_bytes):
+            freed = sum(old.nbytes for old in stale)
+            own_freed = sum(old.nbytes for old in stale if old.owner == owner)
+            self._check_quota(owner, allowance, max(0, new_bytes - own_freed))
+            if not self._room_for(max(0, new_bytes - freed)):
                 raise StoreFull(
                     f"shard {self.config.shard_id}: no room for {new_bytes} bytes "
                     f"(memory {self.memory.used}/{self.memory.capacity}, "
                     f"disk {self.disk.used}/{self.disk.capacity})"
                 )
-            for blob_id in stale:
-                self._drop(blob_id)
+            for old in stale:
+                self._drop(old.id)
             for blob in new:
                 self._place(blob)
             for blob in blobs:
@@ -515,6 +518,8 @@ class Shard:
                     f"artifact {spec!r} of prefix {prefix_key:016x}: a signed artifact is "
                     "stored; an unsigned one cannot replace it"
                 )
+            if old is not None:
+                self._refuse_leased([blob.id])
             replaced = old.nbytes if old is not None and old.owner == owner else 0
             self._check_quota(owner, allowance, max(0, blob.nbytes - replaced))
             if not self._room_for(blob.nbytes - (old.nbytes if old is not None else 0)):
@@ -584,11 +589,12 @@ class Shard:
             for key in set(keys):
                 blob_id = chunk_id(namespace, key)
                 blob = self._find(blob_id)
-                if blob is None or not may(blob):
+                if blob is None:
                     continue
-                claims = self._claims.pop(blob_id, 0) - 1
-                if claims > 0:
-                    self._claims[blob_id] = claims
+                claims = self._claims.pop(blob_id, 0) - 1  # the undone put's claim goes
+                if claims > 0 or not may(blob):
+                    if claims > 0:
+                        self._claims[blob_id] = claims
                     continue
                 self._drop(blob_id)
                 chunks, nbytes = chunks + 1, nbytes + blob.nbytes

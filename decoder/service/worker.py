@@ -61,6 +61,8 @@ class _Entry:
     cached: CachedPrefix | None  # None: prefilled here (not in the store)
     users: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    unsigned: bool = False
+    """Over KV no decoder signed (the caller opted in): what is built from it is not signed."""
 
 
 @dataclass
@@ -376,12 +378,13 @@ class DecoderWorker:
             )
         if cached.tokens == 0:
             return self._local_entry(tokens)
-        key = (cached.namespace, cached.key, cached.tokens, unsigned)
+        owner = client.topology.tenant if not namespace else ""  # private: the caller's own
+        key = (owner, cached.namespace, cached.key, cached.tokens, unsigned)
         with self._lock:
             entry = self._prefixes.get(key)
             if entry is None:
                 source = StoreKVSource(client, cached)
-                entry = _Entry(Prefix(tokens[: cached.tokens], source), cached)
+                entry = _Entry(Prefix(tokens[: cached.tokens], source), cached, unsigned=unsigned)
                 self._prefixes[key] = entry
             self._prefixes.move_to_end(key)
             entry.users += 1
@@ -432,7 +435,8 @@ class DecoderWorker:
             if compressed is None:
                 compressed = self.scheduler.call(lambda: self._build_artifact(entry, spec))
                 if entry.cached is not None:
-                    self._store_artifact(client, entry.cached, spec, compressed)
+                    signer = None if entry.unsigned else self.signer
+                    self._store_artifact(client, entry.cached, spec, compressed, signer)
             prefix.artifacts[spec] = compressed
             return compressed
 
@@ -444,11 +448,12 @@ class DecoderWorker:
             observed = self._observe(prefix, pipeline.observe_window)
         return self._compress(pipeline, prefix.source, observed)
 
-    def _store_artifact(self, client, cached: CachedPrefix, spec: str, compressed) -> None:
-        """Store a built artifact for later requests and workers, signed, as the caller; a
-        caller that may not (a reader, over quota) still gets its tokens."""
+    def _store_artifact(self, client, cached: CachedPrefix, spec: str, compressed, signer) -> None:
+        """Store a built artifact for later requests and workers, as the caller (signed with
+        `signer` when given); a caller that may not (a reader, over quota) still gets its
+        tokens."""
         try:
-            client.put_artifact(cached, spec, to_bytes(compressed), signer=self.signer)
+            client.put_artifact(cached, spec, to_bytes(compressed), signer=signer)
         except StoreError as error:
             log.info("artifact %s not stored for later requests: %s", spec, error)
 

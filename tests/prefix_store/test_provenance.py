@@ -167,3 +167,15 @@ def test_a_shard_without_the_key_keeps_signatures_unchecked(store, token, deploy
         found = client.lookup(TOKENS, LAYOUT)
         assert found.tokens == len(TOKENS)
         assert trusted_prefix(found, TOKENS, deployment_key.verifier).tokens == 0
+
+
+def test_a_signed_put_replacing_the_callers_own_unsigned_chunks_is_not_charged_twice(
+    store, metadata, deployment_key
+):
+    store.start("shard-0", provenance_key=deployment_key.verifier.public_bytes)
+    token = metadata.add_tenant("tight", LAYOUT.chunk_bytes(len(TOKENS)))  # one copy fits
+    with store.client(token) as client:
+        client.publish_prefix(TOKENS, random_kv(LAYOUT, len(TOKENS), seed=4), LAYOUT)
+        client.publish_prefix(TOKENS, random_kv(LAYOUT, len(TOKENS)), LAYOUT, signer=deployment_key)
+        found = client.lookup(TOKENS, LAYOUT)
+        assert trusted_prefix(found, TOKENS, deployment_key.verifier) == found

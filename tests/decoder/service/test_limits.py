@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from decoder.compressors import parse_compressor
 from decoder.engine import prefill_prefix
 from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
@@ -96,9 +97,17 @@ def test_a_tenant_may_opt_in_to_its_own_unsigned_kv_in_its_private_namespace(
             assert default.stats["cached_tokens"] == 0 and default.tokens == want
             own = client.generate(token_ids=prompt, max_new_tokens=8, use_unsigned_prefix=True)
             assert own.stats["cached_tokens"] == len(doc) and own.tokens == want
-            with pytest.raises(InvalidArgument, match="private namespace"):
-                client.generate(
-                    token_ids=prompt, max_new_tokens=8, namespace="docs", use_unsigned_prefix=True
-                )
+        with store.client(token) as raw:  # the artifact built from it is not signed either
+            cached = raw.lookup(doc, layout)
+            spec = parse_compressor(decoder.config.default_compressor).spec
+            assert raw.fetch_artifact(cached, spec) is not None
+            assert raw.fetch_artifact(cached, spec, decoder.worker.signer.verifier) is None
+        with (
+            DecoderClient(decoder.address, token) as client,
+            pytest.raises(InvalidArgument, match="private namespace"),
+        ):
+            client.generate(
+                token_ids=prompt, max_new_tokens=8, namespace="docs", use_unsigned_prefix=True
+            )
     finally:
         decoder.stop(0)
