@@ -39,6 +39,9 @@ class ShardConfig:
     """Largest gRPC message accepted or sent."""
     max_put_bytes: int = 8 * GiB
     """Largest single Put or PutArtifact stream."""
+    receive_bytes: int = 8 * GiB
+    """Bytes of puts being received at once (all callers): they are buffered until their
+    commit; beyond this a put is refused (RESOURCE_EXHAUSTED) before it is received."""
     workers: int = 32
     """gRPC server threads (concurrent RPCs)."""
     calls: CallBounds = field(default_factory=CallBounds)
@@ -60,6 +63,8 @@ class ShardConfig:
     clear. PEM bytes, so that a shard actor on another host needs no certificate file."""
 
     def __post_init__(self) -> None:
+        if self.receive_bytes < self.max_put_bytes:
+            raise ValueError("receive_bytes must be >= max_put_bytes (or no such put fits)")
         if self.calls.total >= self.workers:
             raise ValueError("calls.total must be below workers (threads for health checks)")
         if self.provenance_key and len(self.provenance_key) != 32:

@@ -45,7 +45,7 @@ from prefix_store.limits import CallLimits, IdleStreams
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
-from prefix_store.shard import ChunkRef, Deletable, Shard
+from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
 from prefix_store.status import code_of
 from prefix_store.tls import bind, server_context
 
@@ -259,26 +259,31 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 
     @unary
     def Put(self, request_iterator, context):
-        """Requests arrive serialised (see `wire`): segments are parsed without copies."""
+        """Requests arrive serialised (see `wire`): segments are parsed without copies. The
+        put's bytes stay reserved until it commits or ends (`PutSession.close`)."""
         session = None
-        for raw in client_stream(request_iterator):
-            self.check_size("PutRequest", len(raw))
-            part, value = wire.decode_put(raw)
-            if session is None:
-                if part != "header":
-                    raise InvalidArgument("put: the first message must be a header")
-                session = self._begin_put(parse(pb.PutHeader, value), context)
-            elif part == "segments":
-                for layer, chunk, data in value:
-                    session.add(layer, chunk, data)
-            elif part == "commit":
-                done = session.commit(list(parse(pb.PutCommit, value).crc32c))
-                return pb.PutResponse(
-                    chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
-                )
-            else:
-                raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
-        raise Aborted("put: the stream ended before its commit; nothing was stored")
+        try:
+            for raw in client_stream(request_iterator):
+                self.check_size("PutRequest", len(raw))
+                part, value = wire.decode_put(raw)
+                if session is None:
+                    if part != "header":
+                        raise InvalidArgument("put: the first message must be a header")
+                    session = self._begin_put(parse(pb.PutHeader, value), context)
+                elif part == "segments":
+                    for layer, chunk, data in value:
+                        session.add(layer, chunk, data)
+                elif part == "commit":
+                    done = session.commit(list(parse(pb.PutCommit, value).crc32c))
+                    return pb.PutResponse(
+                        chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
+                    )
+                else:
+                    raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
+            raise Aborted("put: the stream ended before its commit; nothing was stored")
+        finally:
+            if session is not None:
+                session.close()
 
     def _begin_put(self, header, context):
         tenant, space = self._writer(context, header.namespace)
@@ -337,13 +342,17 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             raise InvalidArgument("OpenPut: this shard has no data plane; use Put")
         session = self._begin_put(request, context)
         total = session.layer_bytes * session.layout.num_layers
-        ticket = self.data_plane.issue(
-            lambda conn: receive_put(conn, session),
-            lambda: None,
-            peer_host(context.peer()),
-            total,
-            self._owner_key(context),
-        )
+        try:
+            ticket = self.data_plane.issue(
+                lambda conn: receive_put(conn, session),
+                session.close,
+                peer_host(context.peer()),
+                total,
+                self._owner_key(context),
+            )
+        except BaseException:
+            session.close()
+            raise
         return pb.TransferTicket(
             ticket=ticket,
             data_address=self.data_address,
@@ -370,35 +379,18 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 
     @unary
     def PutArtifact(self, request_iterator, context):
-        ident, parts, size, crc = None, [], 0, None
-        for message in client_stream(request_iterator):
-            part = message.WhichOneof("part")
-            if ident is None:
-                if part != "id":
-                    raise InvalidArgument("put_artifact: the first message must be the id")
-                ident = message.id
-                tenant, space = self._writer(context, ident.namespace)
-                layout = layout_of(ident)
-                self._check_spec(ident.compressor)
-                self._admit_artifact(ident.size, tenant.name)
-            elif part == "data":
-                self.check_size("PutArtifactRequest", message.ByteSize())
-                size += len(message.data)
-                if size > ident.size:
-                    raise InvalidArgument(f"data: more than the declared id.size ({ident.size})")
-                parts.append(message.data)
-            elif part == "crc32c":
-                crc = message.crc32c
-                break
-            else:
-                raise InvalidArgument(f"put_artifact: unexpected {part or 'empty'} message")
-        if crc is None:
-            raise Aborted("put_artifact: the stream ended before its checksum; nothing was stored")
-        if size != ident.size:
-            raise InvalidArgument(f"data: {size} bytes arrived, id.size declared {ident.size}")
-        data = b"".join(parts)
-        if crc32c(data) != crc:
-            raise InvalidArgument("crc32c: the artifact arrived corrupted")
+        """The id, declaring the size (refused over quota or room before any data), then
+        the data, then its checksum; the declared bytes stay reserved while they arrive."""
+        messages = client_stream(request_iterator)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("part") != "id":
+            raise InvalidArgument("put_artifact: the first message must be the id")
+        ident = first.id
+        tenant, space = self._writer(context, ident.namespace)
+        layout = layout_of(ident)
+        self._check_spec(ident.compressor)
+        with self._admit_artifact(ident.size, tenant.name):
+            data = self._artifact_data(messages, ident.size)
         stored = self.shard.put_artifact(
             space,
             layout,
@@ -412,14 +404,35 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         )
         return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
 
-    def _admit_artifact(self, size: int, owner: str) -> None:
+    def _admit_artifact(self, size: int, owner: str) -> Reservation:
         """Refuse an artifact by its declared size, before any of its bytes is buffered."""
         if not 0 < size <= self.config.max_put_bytes:
             raise InvalidArgument(
                 f"id.size: {size} is not in [1, {self.config.max_put_bytes}] (declare the "
                 "artifact's size before its data)"
             )
-        self.shard.admit(owner, self.quota, size)
+        return self.shard.reserve(owner, self.quota(owner), size, size, room=True)
+
+    def _artifact_data(self, messages, declared: int) -> bytes:
+        parts, size = [], 0
+        for message in messages:
+            part = message.WhichOneof("part")
+            if part == "data":
+                self.check_size("PutArtifactRequest", message.ByteSize())
+                size += len(message.data)
+                if size > declared:
+                    raise InvalidArgument(f"data: more than the declared id.size ({declared})")
+                parts.append(message.data)
+            elif part == "crc32c":
+                if size != declared:
+                    raise InvalidArgument(f"data: {size} bytes arrived, {declared} declared")
+                data = b"".join(parts)
+                if crc32c(data) != message.crc32c:
+                    raise InvalidArgument("crc32c: the artifact arrived corrupted")
+                return data
+            else:
+                raise InvalidArgument(f"put_artifact: unexpected {part or 'empty'} message")
+        raise Aborted("put_artifact: the stream ended before its checksum; nothing was stored")
 
     @staticmethod
     def _check_spec(spec: str) -> None:

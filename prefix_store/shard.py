@@ -107,6 +107,28 @@ class Deletable:
 ANYONE = Deletable("", everything=True)
 
 
+@dataclass(slots=True)
+class Reservation:
+    """Bytes held for a put while they arrive (see `Shard.reserve`); `release` once."""
+
+    shard: Shard
+    owner: str
+    staged: int
+    new: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.shard._unreserve(self)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
     key: int
@@ -155,6 +177,9 @@ class Shard:
         self._doomed: set[BlobId] = set()
         # Puts that committed each blob since this process started (see delete_keys).
         self._claims: Counter = Counter()
+        # Bytes of puts being received, in all and (new bytes) per owner (see reserve).
+        self._receiving = 0
+        self._receiving_new: Counter = Counter()
         self.memory = MemoryTier(config.memory_bytes, self._is_leased)
         disk_dir = Path(config.disk_dir) if config.disk_dir else Path("/nonexistent")
         self.disk = DiskTier(disk_dir, config.disk_bytes, self._is_leased)
@@ -546,13 +571,33 @@ class Shard:
 
     # ---- delete, stats, shutdown ------------------------------------------------------
 
-    def admit(self, owner: str, quota: QuotaCheck, nbytes: int) -> None:
-        """Refuse `nbytes` more for `owner` now (quota, room), before they are received."""
-        allowance = quota(owner)
+    def reserve(
+        self, owner: str, allowance: Allowance | None, staged: int, new: int, room: bool = False
+    ) -> Reservation:
+        """Hold `staged` bytes of the shard's receive budget (`ShardConfig.receive_bytes`)
+        and `new` bytes of `owner`'s quota while a put's bytes arrive, so that concurrent
+        puts cannot together pass checks that each passes alone; `room`: the tiers must
+        have room for `new` too. Refused now (StoreFull, QuotaExceeded) rather than after
+        the bytes were buffered; released by the put's commit or end."""
         with self._lock:
-            self._check_quota(owner, allowance, nbytes)
-            if not self._room_for(nbytes):
-                raise StoreFull(f"shard {self.config.shard_id}: no room for {nbytes} bytes")
+            if self._receiving + staged > self.config.receive_bytes:
+                raise StoreFull(
+                    f"shard {self.config.shard_id}: {self._receiving} bytes of puts are being "
+                    f"received (receive_bytes {self.config.receive_bytes}); retry shortly"
+                )
+            self._check_quota(owner, allowance, self._receiving_new[owner] + new)
+            if room and not self._room_for(new):
+                raise StoreFull(f"shard {self.config.shard_id}: no room for {new} bytes")
+            self._receiving += staged
+            self._receiving_new[owner] += new
+        return Reservation(self, owner, staged, new)
+
+    def _unreserve(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._receiving -= reservation.staged
+            self._receiving_new[reservation.owner] -= reservation.new
+            if self._receiving_new[reservation.owner] <= 0:
+                del self._receiving_new[reservation.owner]
 
     def delete(
         self,
@@ -683,7 +728,8 @@ class PutSession:
                 f"put: {total} bytes exceed the per-put limit of {shard.config.max_put_bytes}"
             )
         sizes = [layout.chunk_bytes(len(t)) for t in self.tokens]
-        shard._check_quota(owner, quota(owner), shard.new_bytes(namespace, self.keys, sizes))
+        new = shard.new_bytes(namespace, self.keys, sizes)
+        self.reservation = shard.reserve(owner, quota(owner), total, new)
         self.segments: list[list[bytes | memoryview | None]] = [
             [None] * layout.num_layers for _ in self.tokens
         ]
@@ -769,7 +815,13 @@ class PutSession:
         if len(crcs) != len(self.indices):
             raise InvalidArgument(f"commit.crc32c: expected {len(self.indices)} values")
         blobs = [self._blob(j, crc) for j, crc in enumerate(crcs)]
+        self.close()  # the commit checks quota and room itself, under the shard's lock
         return self.shard.commit(blobs, self.owner, self.quota)
+
+    def close(self) -> None:
+        """Release what the put reserved (idempotent): after its commit, or when it ends
+        without one."""
+        self.reservation.release()
 
     def _blob(self, j: int, crc: int) -> Blob:
         data = tuple(self.segments[j])

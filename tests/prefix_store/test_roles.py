@@ -166,3 +166,47 @@ def test_an_artifact_over_quota_is_refused_before_its_bytes_are_sent(store, meta
 def test_a_new_tenant_gets_a_finite_default_quota(metadata):
     metadata.add_tenant("newcomer")
     assert metadata.tenant("newcomer").quota == DEFAULT_QUOTA > 0
+
+
+def test_puts_being_received_hold_their_bytes_so_concurrent_puts_cannot_overrun(store, metadata):
+    """Each put is checked against committed bytes plus those of puts still arriving: the
+    receive budget and the tenant's quota cannot be overrun by many puts at once, and a
+    put that ends unsent gives its bytes back."""
+    from prefix_store.client.plan import plan_chunks, put_header
+    from prefix_store.data_plane import DataPlaneLimits
+
+    size = LAYOUT.chunk_bytes(len(TOKENS))
+    server = store.start(
+        "shard-0",
+        receive_bytes=2 * size,
+        max_put_bytes=2 * size,
+        data_limits=DataPlaneLimits(ticket_ttl_s=1.0),
+    )
+    token = metadata.add_tenant("many", 3 * size)
+    single = metadata.add_tenant("single", size)  # room for one copy of one prefix
+
+    def open_put(client, first: int):
+        tokens = list(range(first, first + len(TOKENS)))
+        header = put_header(
+            "", LAYOUT, tokens, plan_chunks(tokens, LAYOUT, client.topology.salt(""))
+        )
+        return client._stub(server.address).OpenPut(header, metadata=client._metadata, timeout=10)
+
+    with store.client(token) as client:
+        open_put(client, 1000)
+        open_put(client, 2000)  # two puts arriving: the receive budget is full
+        with pytest.raises(grpc.RpcError) as busy:
+            open_put(client, 3000)
+        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "being received" in busy.value.details()
+        time.sleep(2.5)  # the unsent puts' tickets expire: their bytes come back
+        open_put(client, 3000)
+        open_put(client, 4000)
+        time.sleep(2.5)
+        client.publish_prefix(TOKENS, random_kv(LAYOUT, len(TOKENS)), LAYOUT)  # all fine again
+    with store.client(single) as client:
+        open_put(client, 5000)
+        with pytest.raises(grpc.RpcError) as over:  # each alone fits; both do not
+            open_put(client, 6000)
+        assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "quota" in over.value.details()
