@@ -1,11 +1,13 @@
-"""A tenant's malformed artifact fails nobody: real Ray actors (shards and one decoder), a
-real Redis, gRPC on loopback and the built-in model.
+"""A malformed artifact fails nobody: real Ray actors (shards and one decoder), a real
+Redis, gRPC on loopback and the built-in model.
 
-A tenant stores, through the SDK, an artifact for its own prefix that does not fit the model
-(zero layers, or half the head dim). Its requests over that prefix are served as on a miss
-(the artifact is rebuilt from the full KV and stored in its place) and equal in-process
-full-KV decoding; another tenant's request decoding at the same time on the same decoder,
-in the same engine, equals full-KV decoding too."""
+An artifact that does not fit the model (zero layers, or half the head dim) is stored for a
+tenant's prefix through the SDK: as the tenant (unsigned: the decoder does not even fetch
+it), or signed with the deployment's key (what a faulty decoder build would store; the
+decoder fetches it and `validate` refuses it). Either way the tenant's requests over that
+prefix are served as on a miss (the artifact is rebuilt from the full KV and stored in its
+place) and equal in-process full-KV decoding; another tenant's request decoding at the same
+time on the same decoder, in the same engine, equals full-KV decoding too."""
 
 from __future__ import annotations
 
@@ -91,12 +93,16 @@ def _half_head_dim(spec: str, tokens: int, model) -> CompressedKV:
 
 
 @pytest.mark.parametrize(
-    ("spec", "malformed"),
-    [("snapkv:budget=0.125", _zero_layers), ("streamingllm:sink=4,window=60", _half_head_dim)],
-    ids=["zero-layers", "half-head-dim"],
+    ("spec", "malformed", "signed"),
+    [
+        ("snapkv:budget=0.125", _zero_layers, False),
+        ("kivi:bits=4", _zero_layers, True),
+        ("streamingllm:sink=4,window=60", _half_head_dim, True),
+    ],
+    ids=["zero-layers-by-a-tenant", "zero-layers-signed", "half-head-dim-signed"],
 )
 def test_a_malformed_artifact_fails_no_request(
-    spec, malformed, service, tenants, published, builtin_model, builtin_runner
+    spec, malformed, signed, service, tenants, published, builtin_model, builtin_runner
 ):
     spec = parse_compressor(spec).spec
     doc, prompt = published["a"]
@@ -105,7 +111,8 @@ def test_a_malformed_artifact_fails_no_request(
     with StoreClient(endpoints, tenants["a"]) as store:
         cached = store.lookup(doc, layout)
         assert cached.tokens == len(doc)
-        store.put_artifact(cached, spec, to_bytes(malformed(spec, len(doc), builtin_model)))
+        data = to_bytes(malformed(spec, len(doc), builtin_model))
+        store.put_artifact(cached, spec, data, signer=service.signer if signed else None)
 
     other, errors, decoding = GenerateReply(), [], threading.Event()
 
