@@ -202,7 +202,11 @@ def test_bytes_outside_the_format_are_refused_before_use():
             {"0.k": k, "0.v": k.clone()},
             "layer 0: tensor positions is missing",
         ),
-        ({**head, "layers": [layer]}, {**dense, "1.k": k.clone()}, "tensors 1.k belong to no layer"),
+        (
+            {**head, "layers": [layer]},
+            {**dense, "1.k": k.clone()},
+            "tensors 1.k belong to no layer",
+        ),
     ]
     for header, tensors, message in cases:
         with pytest.raises(ArtifactFormatError, match=message):
