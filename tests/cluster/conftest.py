@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster.serve import Deployment, ServeConfig
+from prefix_store.config import MiB
 
 
 @contextlib.contextmanager
@@ -21,3 +22,13 @@ def deployed(redis_url: str, home: Path, **overrides):
             yield deployment
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def service(redis_server, tmp_path_factory):
+    """A module's deployment: two shards (512 MiB memory each, no disk) and one decoder."""
+    home = tmp_path_factory.mktemp("vericache-home")
+    with deployed(
+        redis_server.url, home, shards=2, memory_bytes=512 * MiB, disk_bytes=0, decoders=1
+    ) as deployment:
+        yield deployment

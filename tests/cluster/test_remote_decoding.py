@@ -18,21 +18,10 @@ from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
-from prefix_store.config import MiB
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
-from tests.cluster.conftest import deployed
 
 NEW = 24
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
-
-
-@pytest.fixture(scope="module")
-def service(redis_server, tmp_path_factory):
-    home = tmp_path_factory.mktemp("vericache-home")
-    with deployed(
-        redis_server.url, home, shards=2, memory_bytes=512 * MiB, disk_bytes=0, decoders=1
-    ) as deployment:
-        yield deployment
 
 
 @pytest.fixture(scope="module")

@@ -25,20 +25,9 @@ from decoder.generate import generate_full
 from decoder.service.client import DecoderClient, GenerateReply
 from decoder.store_source import kv_layout
 from prefix_store.client import StoreClient
-from prefix_store.config import MiB
-from tests.cluster.conftest import deployed
 
 NEW = 24
 LONG = 64  # the other tenant's request: still decoding while the first one runs
-
-
-@pytest.fixture(scope="module")
-def service(redis_server, tmp_path_factory):
-    home = tmp_path_factory.mktemp("vericache-home")
-    with deployed(
-        redis_server.url, home, shards=2, memory_bytes=512 * MiB, disk_bytes=0, decoders=1
-    ) as deployment:
-        yield deployment
 
 
 @pytest.fixture(scope="module")
