@@ -717,7 +717,8 @@ class Engine:
             def layers(i: int, rank=rank):
                 return self.ring.take(rank, i)
 
-        return SeqInput.extend(SharedPrefixView(layers, g.source.length, a.tail), tokens, logits)
+        view = SharedPrefixView(layers, g.source.length, a.tail, prefix_id=g)
+        return SeqInput.extend(view, tokens, logits)
 
     def _recover(self, error: PrefixUnavailable) -> None:
         """A prefix's full KV failed to arrive: recompute it locally, or fail its requests."""

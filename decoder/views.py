@@ -26,9 +26,19 @@ class SharedPrefixView:
     with capacity for prefix + tail + the tokens this pass appends, and positions[j] == j.
     """
 
-    def __init__(self, layers: Callable[[int], LayerKV], prefix_length: int, tail: KVCache) -> None:
+    def __init__(
+        self,
+        layers: Callable[[int], LayerKV],
+        prefix_length: int,
+        tail: KVCache,
+        prefix_id: object | None = None,
+    ) -> None:
         self._layers = layers
         self.prefix_length = prefix_length
+        self.prefix_id = prefix_id
+        """Equal (and not None) for the views of one pass whose `layers(i)` return the same
+        buffer for every i: their slots [0, prefix_length) hold the same prefix KV, which the
+        runner may then attend to once for all of their rows."""
         self.tail = tail
         self._tail_length = len(tail)  # fixed for the pass: release() grows the tail
         self._borrowed: LayerKV | None = None
