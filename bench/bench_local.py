@@ -7,9 +7,13 @@ file) and generates `--max-new-tokens` tokens greedily. Batch 1 uses the first s
 batch 8 eight different ones. Every mode runs on the same runner and the same requests:
 
 - full: the prefix KV made resident, exact decoding (the reference);
+- full+ngram: the same with prompt-lookup guesses verified by the exact pass (lossless,
+  no compression: what n-gram speculation alone buys);
 - lossy, per compressor: decoding with the compressed prefix alone;
 - vericache, per compressor: draft with the compressed prefix, verify with the full one
-  (automatic horizon; SnapKV 12.5% also at a fixed horizon of 32).
+  (automatic horizon; SnapKV 12.5% also at a fixed horizon of 32);
+- vericache+ngram, per compressor: the drafter also checks prompt-lookup guesses, several
+  drafts per draft forward (`--ngram` guesses at most).
 
 Times are medians over `--repeats` runs; tokens must agree across repeats. "tok/s" counts
 generated tokens over compression + suffix prefill + decoding (the shared prefix prefill
@@ -18,7 +22,7 @@ mode's step time over the lossy mode's step time (same compressor, same batch), 
 bound is that speedup times the fraction of drafted tokens accepted (DESIGN.md section 10).
 
 Usage: python bench/bench_local.py [--contexts 2048 8192] [--batches 1 8]
-       [--max-new-tokens 128] [--repeats 3] [--compressors SPEC ...]
+       [--max-new-tokens 128] [--repeats 3] [--compressors SPEC ...] [--ngram 8]
        [--out bench/results/local.json]
 """
 
@@ -85,11 +89,17 @@ def run_mode(
             raise SystemExit(f"{config}: tokens differ between repeats")
         outputs, stats = tokens, dict(results[0].stats)
         if config.mode == "vericache":  # acceptance over every request of the batch
-            for key in ("verifications", "drafted", "accepted"):
+            for key in ("verifications", "drafted", "accepted", "draft_steps"):
                 stats[key] = sum(r.stats[key] for r in results)
             stats["accepted_per_verification"] = round(
                 stats["accepted"] / max(1, stats["verifications"]), 3
             )
+            stats["drafts_per_draft_step"] = round(
+                stats["drafted"] / max(1, stats["draft_steps"]), 3
+            )
+        if config.ngram:
+            for key in ("ngram_proposed", "ngram_accepted"):
+                stats[key] = sum(r.stats[key] for r in results)
         generated = sum(len(t) for t in tokens)
         step_s = stats["draft_s"] if config.mode == "vericache" else stats["decode_s"]
         samples.append(
@@ -120,6 +130,11 @@ def bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s) -
     )
     rows = [_row(context, batch, "full", "-", full, full, None, prefill_s)]
     _print(rows[-1])
+    if args.ngram:
+        config = EngineConfig(mode="full", ngram=args.ngram)
+        res = run_mode(runner, model, prefix, suffixes, config, args.max_new_tokens, args.repeats)
+        rows.append(_row(context, batch, "full+ngram", "-", res, full, None, prefill_s))
+        _print(rows[-1])
     for spec in args.compressors:
         lossy = run_mode(
             runner,
@@ -147,6 +162,13 @@ def bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s) -
                 _row(context, batch, "vericache", spec, vc, full, lossy, prefill_s, horizon)
             )
             _print(rows[-1])
+        if args.ngram:
+            config = EngineConfig(mode="vericache", compressor=spec, ngram=args.ngram)
+            vc = run_mode(
+                runner, model, prefix, suffixes, config, args.max_new_tokens, args.repeats
+            )
+            rows.append(_row(context, batch, "vericache+ngram", spec, vc, full, lossy, prefill_s))
+            _print(rows[-1])
     return rows
 
 
@@ -158,7 +180,9 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
         "batch": batch,
         "mode": mode,
         "compressor": spec,
-        "horizon": "-" if mode != "vericache" else ("auto" if horizon is None else horizon),
+        "horizon": "-"
+        if not mode.startswith("vericache")
+        else ("auto" if horizon is None else horizon),
         "compression_ratio": stats.get("compression_ratio", 1.0),
         "tok_s": round(res["tok_s"], 3),
         "vs_full": round(res["tok_s"] / full["tok_s"], 3),
@@ -183,10 +207,16 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
     }
     if mode == "lossy":
         row["draft_step_speedup"] = round(full["step_s"] / res["step_s"], 3)
-    if mode == "vericache":
+    if "ngram_proposed" in stats:
+        row["ngram_proposed"], row["ngram_accepted"] = (
+            stats["ngram_proposed"],
+            stats["ngram_accepted"],
+        )
+    if mode.startswith("vericache"):
         v = stats["verifications"]
         row.update(
             accepted_per_verification=stats["accepted_per_verification"],
+            drafts_per_draft_step=stats["drafts_per_draft_step"],
             verifications=v,
             drafted=stats["drafted"],
             accepted=stats["accepted"],
@@ -194,6 +224,7 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
         )
         accept_fraction = stats["accepted"] / max(1, stats["drafted"])
         row["bound"] = round(row["draft_step_speedup"] * accept_fraction, 3)
+        row["share_of_bound"] = round(row["vs_full"] / row["bound"], 3) if row["bound"] else None
         row["draft_s"], row["verify_s"] = stats["draft_s"], stats["verify_s"]
     return row
 
@@ -206,8 +237,10 @@ COLUMNS = [
     ("horizon", "horizon"),
     ("compression_ratio", "ratio"),
     ("accepted_per_verification", "acc/verif"),
+    ("drafts_per_draft_step", "drafts/fwd"),
     ("draft_step_speedup", "draft-step speedup"),
     ("bound", "bound"),
+    ("share_of_bound", "of bound"),
     ("tok_s", "tok/s"),
     ("vs_full", "vs full"),
     ("identical", "identical"),
@@ -239,6 +272,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compressors", nargs="+", default=COMPRESSORS)
+    parser.add_argument(
+        "--ngram", type=int, default=8, help="prompt-lookup guesses per forward (0: no rows)"
+    )
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", type=Path, default=Path("bench/results/local.json"))
     args = parser.parse_args()
@@ -271,6 +307,7 @@ def _write(args, rows) -> None:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "suffix_tokens": SUFFIX,
+        "ngram": args.ngram,
     }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

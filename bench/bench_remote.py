@@ -15,6 +15,11 @@ Workloads (prefixes are real Python source, published once with their compressed
   prefix, under the KV budgets at which the full-KV baseline holds 2, 4 and all 8 requests
   at once; VeriCache runs under the same budgets.
 
+Modes: `full` (the strongest full-KV engine we have: one resident copy per prefix, shared
+by its requests), `full+ngram` (the same with prompt-lookup guesses verified in its exact
+passes: lossless, no compression), `lossy` (compressed decoding, not lossless),
+`vericache`, and `vericache+ngram` (the drafter also checks prompt-lookup guesses).
+
 Columns: aggregate tokens/s (all generated tokens over the batch's wall time) and its ratio
 to the full-KV baseline of the same workload and budget; p50/p95 request latency; accepted
 tokens per verification; bytes pulled from the store per generated token; peak decoder KV
@@ -88,7 +93,12 @@ def main() -> int:
     ap.add_argument("--holds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--compressor", default="snapkv:budget=0.125")
-    ap.add_argument("--modes", nargs="+", default=["full", "lossy", "vericache"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["full", "full+ngram", "lossy", "vericache", "vericache+ngram"],
+    )
+    ap.add_argument("--ngram", type=int, default=8, help="guesses per forward in +ngram modes")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("bench/results/remote.json"))
     args = ap.parse_args()
@@ -216,6 +226,8 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
     latencies = [0.0] * len(prompts)
     errors: list[BaseException] = []
 
+    engine_mode, _, ngram = mode.partition("+")
+
     def one(i: int) -> None:
         t = time.perf_counter()
         try:
@@ -223,8 +235,9 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
                 replies[i] = client.generate(
                     token_ids=prompts[i],
                     max_new_tokens=args.max_new_tokens,
-                    mode=mode,
+                    mode=engine_mode,
                     compressor=args.compressor,
+                    ngram=args.ngram if ngram else 0,
                 )
         except BaseException as error:  # reported below
             errors.append(error)
@@ -261,6 +274,10 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
             sum(r.stats.get("accepted", 0) for r in replies)
             / max(1, sum(r.stats.get("drafted", 0) for r in replies))
         ),
+        "drafts_per_draft_step": (
+            sum(r.stats.get("drafted", 0) for r in replies)
+            / max(1, sum(r.stats.get("draft_steps", 0) for r in replies))
+        ),
         "pulled_per_token": sum(r.stats.get("pulled_bytes", 0) for r in replies) / generated,
         "peak_kv_bytes": worker.budget.peak,
         "full_step_s": timers["full_s"] / timers["full_steps"] if timers["full_steps"] else 0.0,
@@ -278,25 +295,32 @@ def _finish_row(row: dict, reference: dict | None) -> None:
     same = [a == b for a, b in zip(row["tokens"], reference["tokens"], strict=True)]
     row["identical"] = f"{sum(same)}/{len(same)}"
     row["bound"] = None
-    if row["mode"] == "vericache" and row["draft_step_s"] and reference["full_step_s"]:
-        row["bound"] = reference["full_step_s"] / row["draft_step_s"] * row["acceptance"]
+    if row["mode"].startswith("vericache") and row["draft_step_s"] and reference["full_step_s"]:
+        # a draft forward gives `drafts_per_draft_step` drafts (more than one with n-gram)
+        per_draft_s = row["draft_step_s"] / max(1.0, row["drafts_per_draft_step"])
+        row["bound"] = reference["full_step_s"] / per_draft_s * row["acceptance"]
+        row["share_of_bound"] = row["ratio"] / row["bound"]
 
 
 HEADER = (
-    f"{'workload':9s} {'budget':>15s} {'mode':9s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
-    f"{'p95 s':>6s} {'acc/ver':>7s} {'pulled/tok':>10s} {'peak KV':>9s} {'bound':>6s} identical"
+    f"{'workload':9s} {'budget':>15s} {'mode':15s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
+    f"{'p95 s':>6s} {'acc/ver':>7s} {'dr/fwd':>6s} {'pulled/tok':>10s} {'peak KV':>9s} "
+    f"{'bound':>6s} {'of bnd':>6s} identical"
 )
 
 
 def _fmt_row(row: dict) -> str:
     ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
     bound = f"{row['bound']:.2f}x" if row.get("bound") else "-"
-    acc = f"{row['accepted_per_verification']:.2f}" if row["mode"] == "vericache" else "-"
+    speculative = row["mode"].startswith("vericache")
+    acc = f"{row['accepted_per_verification']:.2f}" if speculative else "-"
+    per_fwd = f"{row['drafts_per_draft_step']:.2f}" if speculative else "-"
+    share = f"{row['share_of_bound']:.2f}" if row.get("share_of_bound") else "-"
     return (
-        f"{row['workload']:9s} {row['budget_label']:>15s} {row['mode']:9s} "
+        f"{row['workload']:9s} {row['budget_label']:>15s} {row['mode']:15s} "
         f"{row['tokens_per_s']:7.2f} {ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} "
-        f"{acc:>7s} {_mb(row['pulled_per_token']):>10s} {_mb(row['peak_kv_bytes']):>9s} "
-        f"{bound:>6s} {row['identical'] or 'reference'}"
+        f"{acc:>7s} {per_fwd:>6s} {_mb(row['pulled_per_token']):>10s} "
+        f"{_mb(row['peak_kv_bytes']):>9s} {bound:>6s} {share:>6s} {row['identical'] or 'reference'}"
     )
 
 

@@ -51,6 +51,9 @@ class GenerateArgs:
     compressor: str = DEFAULT_COMPRESSOR
     horizon: int | None = None
     """Drafted tokens per verification; None: automatic."""
+    ngram: int | None = None
+    """Prompt-lookup guesses per forward; None: off in-process, the worker's default with
+    --endpoint."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -97,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--horizon",
         default="auto",
         help="vericache: drafted tokens per verification, 'auto' or N >= 0",
+    )
+    gen.add_argument(
+        "--ngram",
+        type=int,
+        help="prompt-lookup speculation: at most N guesses copied from the prompt and output "
+        "checked per forward (0: off; default: off here, the decoder's default with "
+        "--endpoint); the output does not change",
     )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
@@ -153,6 +163,10 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
             "kernels and verifies with exact ones)"
         )
     _check_sampling(ns)
+    if ns.ngram is not None and not 0 <= ns.ngram <= 32:
+        raise UsageError(f"--ngram must be in [0, 32], got {ns.ngram}")
+    if ns.ngram and ns.runner == "fast":
+        raise UsageError("--ngram needs the exact runner (guesses are checked exactly)")
     compressor = _parse_compressor(ns.compressor) if ns.mode != "full" else ns.compressor
     return GenerateArgs(
         prompt=prompt,
@@ -165,6 +179,7 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         threads=ns.threads,
         compressor=compressor,
         horizon=_parse_horizon(ns.horizon),
+        ngram=ns.ngram,
         temperature=ns.temperature,
         top_k=ns.top_k,
         top_p=ns.top_p,
@@ -240,7 +255,7 @@ def run_generate(args: GenerateArgs) -> int:
         )
     runner = ModelRunner(model.config, model.weights, RunnerConfig(threads=args.threads))
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    if args.mode == "full":
+    if args.mode == "full" and not args.ngram:
         result = generate_full(
             runner,
             [prompt_ids],
@@ -269,16 +284,16 @@ def run_generate(args: GenerateArgs) -> int:
 
 
 def _generate_compressed(runner, model, prompt_ids, args: GenerateArgs, sampling):
-    """lossy / vericache: the prompt minus its last token is the prefix held in memory."""
+    """lossy / vericache (and full with n-gram guesses) through the engine: the prompt minus
+    its last token is the prefix held in memory."""
     import time
 
     from decoder.engine import Engine, EngineConfig, Request, split_prompt
 
-    engine = Engine(
-        runner,
-        EngineConfig(mode=args.mode, compressor=args.compressor, horizon=args.horizon),
-        model.eos_token_ids,
+    config = EngineConfig(
+        mode=args.mode, compressor=args.compressor, horizon=args.horizon, ngram=args.ngram or 0
     )
+    engine = Engine(runner, config, model.eos_token_ids)
     runner.ensure_exact_supported()
     t0 = time.perf_counter()
     prefix, suffix = split_prompt(runner, prompt_ids, max(1, engine.observe_window))

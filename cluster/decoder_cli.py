@@ -108,6 +108,7 @@ def run_remote_generate(args) -> int:
             mode=args.mode,
             compressor=args.compressor if args.mode != "full" else "",
             horizon=args.horizon,
+            ngram=args.ngram,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import threading
 
+from decoder.errors import OverBudget
 
-class OverBudget(Exception):
-    """A request needs more KV bytes than the whole budget: it can never be admitted."""
+__all__ = ["KVBudget", "OverBudget"]
 
 
 class KVBudget:

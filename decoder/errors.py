@@ -15,3 +15,20 @@ class ExactModeUnsupported(DecoderError, RuntimeError):
 
 class CompressorSpecError(DecoderError, ValueError):
     """A compressor spec string that names an unknown method or a bad parameter."""
+
+
+class Cancelled(DecoderError):
+    """The request was cancelled by its caller."""
+
+
+class Unreachable(DecoderError):
+    """A request's prefix KV can be neither read nor recomputed (maps to UNAVAILABLE)."""
+
+
+class OverBudget(DecoderError):
+    """A request needs more KV bytes than the whole budget: it can never be admitted."""
+
+
+class ArtifactFormatError(DecoderError, ValueError):
+    """Bytes that are not a compressed-KV artifact of this format, or an artifact that does
+    not fit the model or prefix it would be used for (maps to DATA_LOSS)."""

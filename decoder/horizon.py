@@ -1,11 +1,12 @@
 """How many tokens a request drafts before the next verification (DESIGN.md section 4).
 
-A fixed horizon drafts `x` every round. The automatic policy models a round as `x` draft
-steps plus one verification of `x + 1` tokens (which includes reading the full prefix),
-each charged at the request's share of the batched work, and each draft as accepted with
-the request's own measured probability `a` until the first rejection, so a round yields
-`1 + a + a^2 + ... + a^x` tokens on average. It picks the `x` that maximises tokens per
-second under the costs measured so far in this engine.
+A fixed horizon drafts `x` every round. The automatic policy models a round as the draft
+steps that give `x` drafts (one each, or the request's measured yield per step when n-gram
+guesses are checked by the drafter) plus one verification of `x + 1` tokens (which
+includes reading the full prefix), each charged at the request's share of the batched
+work, and each draft as accepted with the request's own measured probability `a` until the
+first rejection, so a round yields `1 + a + a^2 + ... + a^x` tokens on average. It picks the
+`x` that maximises tokens per second under the costs measured so far in this engine.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return min(0.999, self.successes / self.trials)
+
+
+@dataclass
+class DraftYield:
+    """Drafts a request gains per draft forward: 1 without n-gram guesses, more when the
+    drafter confirms guesses (an exponential average, starting at 1)."""
+
+    per_step: float = 1.0
+    decay: float = 0.8
+
+    def record(self, drafts: int) -> None:
+        self.per_step = self.per_step * self.decay + max(1, drafts) * (1 - self.decay)
 
 
 @dataclass
@@ -101,7 +114,9 @@ class HorizonPolicy:
         self.fixed = horizon
         self.max_horizon = max_horizon
 
-    def choose(self, acceptance: Acceptance, costs: CostModel) -> int:
+    def choose(self, acceptance: Acceptance, costs: CostModel, drafts_per_step: float = 1.0) -> int:
+        """The horizon for a request's next round; `drafts_per_step` (>= 1) is how many
+        drafts one draft forward gives it (n-gram guesses make it more than one)."""
         if self.fixed is not None:
             return self.fixed
         verify = costs.verify_costs()
@@ -114,7 +129,8 @@ class HorizonPolicy:
             if x:
                 power *= rate
                 expected += power
-            seconds = x * costs.draft_share_s + per_request + per_token * (x + 1)
+            steps = -(-x // max(1.0, drafts_per_step)) if x else 0  # ceil: forwards it takes
+            seconds = steps * costs.draft_share_s + per_request + per_token * (x + 1)
             if expected / seconds > best_speed:
                 best, best_speed = x, expected / seconds
         return best

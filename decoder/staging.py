@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from decoder.config import ModelConfig, ceil_to
+from decoder.errors import DecoderError
 from decoder.kv_cache import LayerKV
 from decoder.kv_source import FullKVSource
 
 
-class PrefixUnavailable(Exception):
+class PrefixUnavailable(DecoderError):
     """A prefix's full KV could not be read (store unreachable, chunk lost, ...)."""
 
     def __init__(self, source: FullKVSource, cause: BaseException) -> None:

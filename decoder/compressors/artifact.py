@@ -26,14 +26,10 @@ from safetensors.torch import load, save
 
 from decoder.compressors.base import CompressedKV, CompressedLayer, DenseLayer
 from decoder.compressors.kivi import QuantizedLayer
+from decoder.errors import ArtifactFormatError
 
 FORMAT = "vericache-compressed-kv-v1"
 QUANTIZED_BITS = (2, 4, 8)
-
-
-class ArtifactFormatError(ValueError):
-    """Bytes that are not a compressed-KV artifact of this format, or an artifact that does
-    not fit the model or prefix it would be used for."""
 
 
 class KVShape(Protocol):

@@ -124,6 +124,7 @@ def generate_request(
     mode: str = "vericache",
     compressor: str = "",
     horizon: int | None = None,
+    ngram: int | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -144,6 +145,8 @@ def generate_request(
         request.sampling.seed = seed
     if horizon is not None:
         request.horizon = horizon
+    if ngram is not None:
+        request.ngram = ngram
     _set_prompt(request, text, token_ids)
     return request
 

@@ -9,6 +9,8 @@ from prefix_store.limits import CallBounds
 from prefix_store.tls import TLSConfig
 
 DEFAULT_COMPRESSOR = "snapkv:budget=0.125"
+MAX_NGRAM = 32
+"""Most prompt-lookup guesses per forward a request may ask for (the engines' max horizon)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class DecoderConfig:
     default_compressor: str = DEFAULT_COMPRESSOR
     staging_depth: int = 2
     """Layers of full prefix KV staged (and prefetched) at once per exact pass."""
+    ngram: int = 0
+    """Prompt-lookup guesses per forward for requests that do not say (0: off; see
+    `EngineConfig.ngram`)."""
     threads: int | None = None
     """torch CPU threads (None: torch's choice)."""
     max_new_tokens: int = 4096
@@ -67,6 +72,8 @@ class DecoderConfig:
             raise ValueError(f"kv_budget must be > 0 bytes, got {self.kv_budget}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if not 0 <= self.ngram <= MAX_NGRAM:
+            raise ValueError(f"ngram must be in [0, {MAX_NGRAM}], got {self.ngram}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.store_clients < 1:

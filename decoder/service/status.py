@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import grpc
 
-from decoder.budget import OverBudget
-from decoder.compressors.artifact import ArtifactFormatError
-from decoder.engine import Unreachable
-from decoder.errors import CompressorSpecError, ExactModeUnsupported
+from decoder.errors import (
+    ArtifactFormatError,
+    Cancelled,
+    CompressorSpecError,
+    ExactModeUnsupported,
+    OverBudget,
+    Unreachable,
+)
 from prefix_store import status as store_status
 from prefix_store.errors import StoreError
 
@@ -23,6 +27,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unreachable, grpc.StatusCode.UNAVAILABLE),
     (ArtifactFormatError, grpc.StatusCode.DATA_LOSS),
     (ExactModeUnsupported, grpc.StatusCode.FAILED_PRECONDITION),
+    (Cancelled, grpc.StatusCode.CANCELLED),
 )
 
 

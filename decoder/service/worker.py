@@ -41,7 +41,7 @@ from decoder.loader import LoadedModel, load_model
 from decoder.runner import ModelRunner, SeqInput
 from decoder.sampling import SamplingParams
 from decoder.service.clients import StoreClients
-from decoder.service.config import DecoderConfig
+from decoder.service.config import MAX_NGRAM, DecoderConfig
 from decoder.service.scheduler import Scheduler
 from decoder.service.status import BadRequest
 from decoder.store_source import StoreKVSource, kv_layout
@@ -78,6 +78,8 @@ class GenerateSpec:
     horizon: int | None
     use_unsigned_prefix: bool = False
     """Verify against the caller's own unsigned KV too (its private namespace only)."""
+    ngram: int = 0
+    """Prompt-lookup guesses per forward (0: off)."""
 
 
 class DecoderWorker:
@@ -95,7 +97,7 @@ class DecoderWorker:
         """The longest token's text: a text longer than this times the context cannot fit."""
         self.budget = KVBudget(config.kv_budget)
         self.scheduler = Scheduler()
-        self._engines: dict[tuple[str, str], Engine] = {}
+        self._engines: dict[tuple[str, str, int], Engine] = {}
         self._prefixes: OrderedDict[tuple, _Entry] = OrderedDict()
         self._clients = StoreClients(
             config.store_endpoints,
@@ -152,6 +154,9 @@ class DecoderWorker:
         horizon = request.horizon if request.HasField("horizon") else None
         if horizon is not None and horizon > 256:
             raise BadRequest(f"horizon must be <= 256, got {horizon}")
+        ngram = request.ngram if request.HasField("ngram") else self.config.ngram
+        if ngram > MAX_NGRAM:
+            raise BadRequest(f"ngram must be <= {MAX_NGRAM}, got {ngram}")
         prompt = self._prompt_ids(request)
         if len(prompt) < 2:
             raise BadRequest("prompt: at least 2 tokens are needed (a prefix and one more)")
@@ -175,6 +180,7 @@ class DecoderWorker:
             sampling,
             horizon,
             request.use_unsigned_prefix,
+            ngram,
         )
 
     @staticmethod
@@ -197,7 +203,7 @@ class DecoderWorker:
             if spec.mode != "full":
                 self._ensure_artifact(entry, spec.compressor, client)
             suffix = spec.prompt[entry.prefix.source.length :]
-            engine = self._engine(spec.mode, spec.compressor)
+            engine = self._engine(spec.mode, spec.compressor, spec.ngram)
             events: queue.Queue = queue.Queue()
             request = Request(
                 entry.prefix, suffix, spec.max_new_tokens, spec.sampling, spec.horizon
@@ -343,13 +349,16 @@ class DecoderWorker:
         with self._lock:
             return [e.prefix.source.client for e in self._prefixes.values() if e.cached is not None]
 
-    def _engine(self, mode: str, compressor: str) -> Engine:
-        key = (mode, compressor if mode != "full" else "")
+    def _engine(self, mode: str, compressor: str, ngram: int) -> Engine:
+        key = (mode, compressor if mode != "full" else "", ngram)
         with self._lock:
             engine = self._engines.get(key)
             if engine is None:
                 config = EngineConfig(
-                    mode=mode, compressor=compressor, staging_depth=self.config.staging_depth
+                    mode=mode,
+                    compressor=compressor,
+                    staging_depth=self.config.staging_depth,
+                    ngram=ngram,
                 )
                 engine = Engine(self.runner, config, self.model.eos_token_ids, self.budget)
                 self._engines[key] = engine

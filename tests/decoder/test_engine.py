@@ -116,9 +116,9 @@ def test_vericache_is_token_for_token_full_kv(spec, builtin_model, builtin_runne
         Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
         for sampling, horizon, i in cases
     ]
-    engine = Engine(
-        builtin_runner, EngineConfig(mode="vericache", compressor=spec), builtin_model.eos_token_ids
-    )
+    # resident=False: every pass pulls (the budget would otherwise keep all prefixes here)
+    config = EngineConfig(mode="vericache", compressor=spec, resident=False)
+    engine = Engine(builtin_runner, config, builtin_model.eos_token_ids)
     results = engine.run(requests)
     for prefix, _ in split:
         prefix.artifacts.clear()
@@ -132,6 +132,111 @@ def test_vericache_is_token_for_token_full_kv(spec, builtin_model, builtin_runne
         assert 0 < stats["compressed_bytes"] < stats["full_bytes"]
     accepted = sum(r.stats["accepted"] for r in results)
     assert accepted > 0, "the drafts are useful, not just verified away"
+
+
+NGRAM_COMPRESSORS = [
+    "snapkv:budget=0.125",
+    "kivi:bits=4",
+    "h2o:budget=0.125",
+    "streamingllm:sink=4,window=124",
+]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(spec, marks=() if spec == "snapkv:budget=0.125" else (pytest.mark.slow,))
+        for spec in NGRAM_COMPRESSORS
+    ],
+)
+def test_vericache_with_ngram_proposals_is_token_for_token_full_kv(
+    spec, builtin_model, builtin_runner, workload
+):
+    """Prompt-lookup guesses checked by the compressed drafter, several per draft forward,
+    then verified: every prompt at horizons 8 and auto, greedy and seeded, identical to
+    full-KV decoding, with guesses proposed and taken, never past the horizon."""
+    split, refs = workload
+    cases = [
+        (sampling, horizon, i)
+        for sampling in (SamplingParams(), SAMPLING)
+        for horizon in (8, None)
+        for i in range(len(split))
+    ]
+    requests = [
+        Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
+        for sampling, horizon, i in cases
+    ]
+    config = EngineConfig(mode="vericache", compressor=spec, ngram=8, resident=False)
+    results = Engine(builtin_runner, config, builtin_model.eos_token_ids).run(requests)
+    for prefix, _ in split:
+        prefix.artifacts.clear()
+    for (sampling, horizon, i), result in zip(cases, results, strict=True):
+        kind = "greedy" if sampling.greedy else "seeded"
+        assert result.tokens == refs[sampling][i], f"prompt {i}, horizon {horizon}, {kind}"
+        stats = result.stats
+        if horizon is not None:
+            assert stats["drafted"] <= horizon * stats["verifications"]
+        assert stats["ngram_accepted"] <= stats["ngram_proposed"]
+    assert sum(r.stats["ngram_accepted"] for r in results) > 0, "some guesses were right"
+    steps = sum(r.stats["draft_steps"] for r in results)
+    drafted = sum(r.stats["drafted"] for r in results)
+    assert drafted > steps, "checked guesses give more than one draft per draft forward"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLING], ids=["greedy", "seeded"])
+def test_full_kv_with_ngram_proposals_is_full_kv(sampling, builtin_model, builtin_runner, workload):
+    """The lossless full-KV + n-gram baseline: guesses verified by the exact pass itself."""
+    split, refs = workload
+    config = EngineConfig(mode="full", ngram=8)
+    results = _run(builtin_runner, builtin_model, workload, config, sampling)
+    assert [r.tokens for r in results] == refs[sampling]
+    assert sum(r.stats["ngram_accepted"] for r in results) > 0
+
+
+def test_resident_and_pulled_prefixes_give_identical_tokens(
+    builtin_model, builtin_runner, workload
+):
+    """With room in the budget, prefixes stay resident and passes pull nothing after the
+    first read; under a budget that holds only some, the rest pull; the tokens are the
+    full-KV tokens either way."""
+    split, refs = workload
+    requests = lambda: [Request(p, s, 32, SAMPLING) for p, s in split[:4]]  # noqa: E731
+    want = [refs[SAMPLING][i][:32] for i in range(4)]
+    full_bytes = [p.source.nbytes for p, _ in split[:4]]
+
+    resident = Engine(
+        builtin_runner, EngineConfig(mode="vericache", horizon=8), builtin_model.eos_token_ids
+    ).run(requests())
+    assert [r.tokens for r in resident] == want
+    for result, nbytes in zip(resident, full_bytes, strict=True):
+        assert result.stats["pulled_bytes"] == nbytes  # read once, then resident
+
+    pulled = Engine(
+        builtin_runner,
+        EngineConfig(mode="vericache", horizon=8, resident=False),
+        builtin_model.eos_token_ids,
+    ).run(requests())
+    assert [r.tokens for r in pulled] == want
+    assert all(r.stats["pulled_bytes"] > 2 * n for r, n in zip(pulled, full_bytes, strict=True))
+
+    # Room for the compressed copies, tails and staging, plus about two full prefixes.
+    engine = Engine(
+        builtin_runner,
+        EngineConfig(mode="vericache", horizon=8, resident=False),
+        builtin_model.eos_token_ids,
+    )
+    engine.run(requests())
+    tight = engine.budget.peak + 2 * max(full_bytes) + len(split) * 300_000
+    some = Engine(
+        builtin_runner,
+        EngineConfig(mode="vericache", horizon=8, kv_budget=tight),
+        builtin_model.eos_token_ids,
+    ).run(requests())
+    assert [r.tokens for r in some] == want
+    once = sum(r.stats["pulled_bytes"] == n for r, n in zip(some, full_bytes, strict=True))
+    assert 1 <= once < 4, [r.stats["pulled_bytes"] for r in some]
+    for prefix, _ in split:
+        prefix.artifacts.clear()
 
 
 def test_lossy_mode_really_is_lossy(builtin_model, builtin_runner, workload):
@@ -189,7 +294,7 @@ def test_staging_holds_a_few_layers(builtin_model, builtin_runner, workload):
     prefix, suffix = split[4]  # the 2000-token prompt
     engine = Engine(
         builtin_runner,
-        EngineConfig(mode="vericache", horizon=32, staging_depth=2),
+        EngineConfig(mode="vericache", horizon=32, staging_depth=2, resident=False),
         builtin_model.eos_token_ids,
     )
     stats = engine.run([Request(prefix, suffix, 40)])[0].stats
@@ -237,6 +342,8 @@ def test_chat_request_stops_at_eos_like_full(builtin_model, builtin_runner):
         ({"horizon": -1}, "horizon must be >= 0"),
         ({"max_horizon": 0}, "max_horizon must be >= 1"),
         ({"draft_mode": "sloppy"}, "draft_mode must be 'exact' or 'fast'"),
+        ({"ngram": -1}, r"ngram must be in \[0, max_horizon=32\]"),
+        ({"ngram": 9, "max_horizon": 8}, r"ngram must be in \[0, max_horizon=8\]"),
     ],
 )
 def test_engine_config_is_validated(kwargs, message):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decoder.horizon import START_HORIZON, Acceptance, CostModel, HorizonPolicy
+from decoder.horizon import START_HORIZON, Acceptance, CostModel, DraftYield, HorizonPolicy
 
 
 def costs(draft_share: float, per_request: float, per_token: float) -> CostModel:
@@ -64,3 +64,23 @@ def test_a_request_that_stopped_drafting_is_probed_again():
         record.record(0, 0)
         rounds += 1
     assert 0 < rounds < 40
+
+
+def test_drafts_that_come_several_per_forward_lengthen_the_horizon():
+    """n-gram guesses confirmed by the drafter make each draft forward yield more drafts:
+    the same acceptance and costs then pay for a longer round."""
+    good = acceptance([(16, 12)] * 6)
+    model = costs(0.05, 0.2, 0.01)
+    one = HorizonPolicy(None, 32).choose(good, model, drafts_per_step=1.0)
+    four = HorizonPolicy(None, 32).choose(good, model, drafts_per_step=4.0)
+    assert four > one
+
+
+def test_draft_yield_averages_drafts_per_forward():
+    record = DraftYield()
+    assert record.per_step == 1.0
+    for _ in range(30):
+        record.record(5)
+    assert 4.9 < record.per_step <= 5.0
+    record.record(0)  # a forward whose only draft ended the round still yields one
+    assert record.per_step < 5.0

@@ -19,7 +19,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "mode", "compressor", "horizon", "namespace", "use_unsigned_prefix")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "mode", "compressor", "horizon", "namespace", "use_unsigned_prefix", "ngram")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class GenerateRequest(_message.Message):
     HORIZON_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     USE_UNSIGNED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: bool
@@ -40,7 +41,8 @@ class GenerateRequest(_message.Message):
     horizon: int
     namespace: str
     use_unsigned_prefix: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: bool = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[str] = ..., compressor: _Optional[str] = ..., horizon: _Optional[int] = ..., namespace: _Optional[str] = ..., use_unsigned_prefix: bool = ...) -> None: ...
+    ngram: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: bool = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[str] = ..., compressor: _Optional[str] = ..., horizon: _Optional[int] = ..., namespace: _Optional[str] = ..., use_unsigned_prefix: bool = ..., ngram: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -1,0 +1,300 @@
+"""The engine: one runner, one KV budget, continuous batching over three modes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from decoder.budget import KVBudget
+from decoder.compressors import CompressedKV, CompressorPipeline, parse_compressor
+from decoder.engine.config import EngineConfig
+from decoder.engine.exact import ExactPasses
+from decoder.engine.planner import RoundPlanner
+from decoder.engine.request import Prefix, Request, Ticket, TokenListener
+from decoder.engine.scheduler import Scheduler
+from decoder.engine.speculative import Speculator
+from decoder.engine.state import Running, grouped
+from decoder.errors import Cancelled
+from decoder.generate import GenerationResult
+from decoder.horizon import CostModel, HorizonPolicy
+from decoder.runner import ModelRunner
+from decoder.staging import LayerRing
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Decodes requests with one runner under one KV budget. `submit` is thread-safe; one
+    thread calls `step` (or `run`, which submits a batch and steps until it is done)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+        budget: KVBudget | None = None,
+    ) -> None:
+        """budget: shared with other engines of the same worker; default: one of
+        `config.kv_budget` bytes for this engine alone."""
+        self.runner = runner
+        self.config = config or EngineConfig()
+        self.eos = frozenset(eos_token_ids)
+        self.pipeline: CompressorPipeline | None = (
+            None if self.config.mode == "full" else parse_compressor(self.config.compressor)
+        )
+        self.costs = CostModel()
+        self.budget = budget if budget is not None else KVBudget(self.config.kv_budget)
+        self.ring = LayerRing(runner.config, runner.rc.key_chunk, self.config.staging_depth)
+        self.timers: dict[str, float] = {
+            "draft_s": 0.0,
+            "draft_steps": 0,
+            "verify_s": 0.0,
+            "verify_passes": 0,
+            "full_s": 0.0,
+            "full_steps": 0,
+            "steps": 0,
+        }
+        self.scheduler = Scheduler(
+            runner, self.config, self.pipeline, self.budget, self.ring, self.eos
+        )
+        self.scheduler.timers = self.timers
+        self.exact = ExactPasses(self.scheduler)
+        self.planner = RoundPlanner(
+            HorizonPolicy(self.config.horizon, self.config.max_horizon),
+            self.costs,
+            self.config.stagger,
+            self.ring.stats,
+            self.timers,
+        )
+        self.speculator = Speculator(
+            runner,
+            self.config.draft_mode,
+            self.exact,
+            self.costs,
+            self.timers,
+            self._each,
+            self.eos,
+        )
+        self._iteration = 0
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def observe_window(self) -> int:
+        """Prefix queries a prefill must keep for this engine's compressor."""
+        return self.pipeline.observe_window if self.pipeline else 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.queued)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.queued
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        return self.exact.peak_staging_bytes
+
+    def compressed(self, prefix: Prefix) -> CompressedKV:
+        """The prefix's compressed KV for this engine's spec, built once per prefix."""
+        return self.scheduler.compressed(prefix)
+
+    def submit(self, request: Request, on_tokens: TokenListener | None = None) -> Ticket:
+        ticket = Ticket(request, on_tokens)
+        self.scheduler.submit(ticket)
+        return ticket
+
+    def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Decode every request to its stop; results in request order."""
+        if not requests:
+            raise ValueError("run needs at least one request")
+        tickets = [self.submit(r) for r in requests]
+        while not all(t.done for t in tickets):
+            self.step()
+        return [t.wait() for t in tickets]
+
+    def step(self) -> bool:
+        """Admit what fits, prefill the new requests, advance everything one iteration.
+        Returns False when nothing could be done (the queue waits for room).
+
+        Errors end requests, not the engine: one raised for one request (admission, its
+        draft state, sampling, listener) or for the requests over one prefix (their draft
+        pass) fails those alone; one raised by a pass shared by several prefixes fails the
+        requests in flight. Either way the others, the queue and later submissions go on;
+        a failed request's ticket raises its error."""
+        self.runner.ensure_exact_supported()
+        fresh = self.scheduler.admit()
+        live: list[Running] = []
+        try:
+            if fresh:
+                self._prefill(fresh)
+            live = [r for r in self.scheduler.running if not r.done]
+            if live:
+                self._advance(live)
+        except Exception as error:  # not attributable to a request: a bug in a shared pass
+            log.exception("an engine pass failed; failing the requests in flight")
+            self.ring.cancel()
+            for r in self.scheduler.running:
+                r.fail(error)
+        self.scheduler.retire(self._deliver)
+        return bool(fresh or live)
+
+    def close(self) -> None:
+        """Stop the prefetch reader and fail whatever is still queued or in flight."""
+        self.abort(RuntimeError("the engine was closed"))
+
+    def abort(self, error: BaseException) -> None:
+        """Fail everything queued or in flight with `error`. The engine stays usable:
+        requests submitted afterwards are served."""
+        self.ring.cancel()
+        for t in self.scheduler.drain():
+            t.finish(None, error)
+        for r in self.scheduler.running:
+            r.fail(error)
+        self.scheduler.retire(self._deliver)
+
+    # -- one iteration ----------------------------------------------------------------------
+
+    def _prefill(self, fresh: list[Running]) -> None:
+        """Exact prefill of the new requests' suffixes: their first token."""
+        t0 = time.perf_counter()
+        logits = self.exact.run([(r, r.req.suffix, "last") for r in fresh])
+        seconds = time.perf_counter() - t0
+        self._each(fresh, logits, lambda r, lg: self._first_token(r, lg, seconds))
+        if self.config.mode == "vericache":
+            started = [r for r in fresh if not r.done]
+            self.planner.plan(started, self._iteration, self.scheduler.running)
+
+    @staticmethod
+    def _first_token(r: Running, logits: torch.Tensor, prefill_s: float) -> None:
+        """A prefilled request: its first token, and its draft tail mirrors its exact one."""
+        r.start(prefill_s)
+        r.emit([r.sampler.choose(logits[-1], 0)])
+        if r.draft is not None:
+            r.draft.copy_tail(r.tail, 0, len(r.tail))
+
+    def _advance(self, live: list[Running]) -> None:
+        {
+            "full": self._full_step,
+            "lossy": self._lossy_step,
+            "vericache": self._vericache_step,
+        }[self.config.mode](live)
+        self._iteration += 1
+
+    def _full_step(self, live: list[Running]) -> None:
+        """Full-KV baseline: one exact step over the resident prefixes, checking each
+        request's n-gram guesses in the same pass (when on)."""
+        t0 = time.perf_counter()
+        for r in live:
+            r.drafts = r.proposals(min(self.config.ngram, r.remaining - 1))
+        self.speculator.verify(live)
+        self.timers["full_s"] += time.perf_counter() - t0
+        self.timers["full_steps"] += 1
+        self.timers["steps"] += 1
+
+    def _lossy_step(self, live: list[Running]) -> None:
+        """Compressed decoding (not lossless): one draft-mode step, emitted as is."""
+        self.timers["steps"] += 1
+        self.speculator.decode(live, lambda r: r.proposals(min(self.config.ngram, r.remaining - 1)))
+
+    def _vericache_step(self, live: list[Running]) -> None:
+        """Requests still drafting draft one token; requests whose round is drafted verify
+        together; the next pass's pull starts before the draft step. Requests keep their
+        own rounds, so a short horizon never waits for a long one."""
+        drafting = [r for r in live if self._drafting(r)]
+        upcoming = [r for r in live if r not in drafting or len(r.drafts) + 1 >= r.horizon]
+        pulled = dict.fromkeys(r.group for r in grouped(upcoming, lambda r: r.group))
+        pulled = [g for g in pulled if g.pulled]
+        if pulled:
+            self.ring.begin([g.pass_group() for g in pulled])
+        if drafting:
+            self.speculator.draft(drafting, self._draft_proposals)
+        ready = [r for r in live if not r.done and not self._drafting(r)]
+        if ready:
+            self.speculator.verify(ready)
+            verified = [r for r in ready if not r.done]
+            self.planner.plan(verified, self._iteration + 1, self.scheduler.running)
+
+    def _draft_proposals(self, r: Running) -> list[int]:
+        """n-gram guesses for a draft step: never past the round's horizon."""
+        return r.proposals(min(self.config.ngram, r.horizon - len(r.drafts) - 1))
+
+    def _drafting(self, r: Running) -> bool:
+        return len(r.drafts) < r.horizon and not (r.drafts and r.drafts[-1] in self.eos)
+
+    def _each(self, requests: list[Running], values: Sequence, work: Callable) -> None:
+        """`work(r, value)` for each request still running; an error fails that one alone."""
+        for r, value in zip(requests, values, strict=True):
+            if r.done:
+                continue
+            try:
+                work(r, value)
+            except Exception as error:
+                log.warning("a request failed alone: %r", error, exc_info=True)
+                r.fail(error)
+
+    # -- results ----------------------------------------------------------------------------
+
+    def _deliver(self, r: Running) -> None:
+        try:
+            result = self._result(r)
+        except Exception as error:
+            log.warning("a request's result failed: %r", error, exc_info=True)
+            r.ticket.finish(None, error)
+            return
+        r.ticket.finish(result, None)
+
+    def _result(self, r: Running) -> GenerationResult:
+        s = r.stats
+        now = time.perf_counter()
+        decode_s = now - r.decode_start
+        busy = s.compress_s + s.prefill_s + decode_s
+        group = r.group
+        stats: dict[str, float | int | str] = {
+            "mode": self.config.mode,
+            "prefix_tokens": group.source.length,
+            "prompt_tokens": group.source.length + len(r.req.suffix),
+            "generated_tokens": len(r.out),
+            "compress_s": round(s.compress_s, 4),
+            "prefill_s": round(s.prefill_s, 4),
+            "decode_s": round(decode_s, 4),
+            "queue_s": round(r.admitted - r.ticket.submitted, 4),
+            "latency_s": round(now - r.ticket.submitted, 4),
+            "tokens_per_s": round(len(r.out) / busy, 3) if busy > 0 else 0.0,
+            "full_bytes": group.source.nbytes,
+            "pulled_bytes": int(s.pulled_bytes),
+            "peak_staging_bytes": self.peak_staging_bytes,
+            "recomputed": group.local,
+        }
+        if r.req.sampling.temperature > 0:
+            stats["seed"] = r.sampler.params.seed
+        if group.draft is not None:
+            compressed = group.draft.compressed
+            stats.update(
+                compressor=compressed.spec,
+                compressed_bytes=compressed.nbytes,
+                compression_ratio=round(compressed.ratio, 3),
+            )
+        if self.config.ngram:
+            stats.update(s.ngram())
+        if self.config.mode == "vericache":
+            stats.update(s.speculation(len(r.out)))
+            stats.update(
+                fetch_s=round(self.ring.stats.read_s, 4),
+                fetch_stall_s=round(self.ring.stats.stall_s, 4),
+                draft_s=round(self.timers["draft_s"] - r.timers.get("draft_s", 0.0), 4),
+                verify_s=round(self.timers["verify_s"] - r.timers.get("verify_s", 0.0), 4),
+            )
+        stats["batch_steps"] = int(self.timers["steps"] - r.timers.get("steps", 0))
+        return GenerationResult(tokens=r.out, stop_reason=r.stop_reason or "length", stats=stats)
+
+
+__all__ = ["Cancelled", "Engine"]

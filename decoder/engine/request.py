@@ -1,0 +1,139 @@
+"""What callers hand the engine (prefixes, requests) and what they get back (tickets)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from decoder.compressors import CompressedKV
+from decoder.engine.ngram import NgramTable
+from decoder.generate import GenerationResult
+from decoder.kv_source import FullKVSource, LocalKVSource
+from decoder.runner import ModelRunner, SeqInput
+from decoder.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefix:
+    """A cached prefix: its tokens, its full KV source, and what its prefill observed."""
+
+    tokens: list[int]
+    source: FullKVSource
+    observed: list[torch.Tensor] | None = None
+    """Per layer, the rotated queries of the prefix's last tokens ([w, H, D])."""
+    artifacts: dict[str, CompressedKV] = field(default_factory=dict)
+    """Compressed KV per canonical compressor spec, built once and shared by requests. One
+    put here by the caller (e.g. fetched from the store) is validated against the model
+    before use; one that does not fit fails the requests over it (ArtifactFormatError)."""
+
+    _ngrams: NgramTable | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def ngrams(self) -> NgramTable:
+        """The index of the prefix's n-grams (built on first use, shared by its requests)."""
+        if self._ngrams is None:
+            self._ngrams = NgramTable(self.tokens)
+        return self._ngrams
+
+    def __post_init__(self) -> None:
+        if self.source.length != len(self.tokens):
+            raise ValueError(
+                f"prefix has {len(self.tokens)} tokens but its KV source holds {self.source.length}"
+            )
+
+
+@dataclass
+class Request:
+    """One generation: a cached prefix and the prompt tokens after it (at least one)."""
+
+    prefix: Prefix
+    suffix: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    horizon: int | None = None
+    """Drafted tokens per verification for this request; None follows the engine's config."""
+
+    def __post_init__(self) -> None:
+        if not self.suffix:
+            raise ValueError("a request needs at least one prompt token after its prefix")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.horizon is not None and self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0, got {self.horizon}")
+
+
+def prefill_prefix(
+    runner: ModelRunner, tokens: Sequence[int], observe: int = 128, room: int = 0
+) -> Prefix:
+    """Exact prefill of a prefix into host memory, keeping its last `observe` queries."""
+    tokens = list(tokens)
+    cache = runner.new_cache(capacity=len(tokens) + room)
+    observed = None
+    if tokens:
+        seq = SeqInput.extend(cache, tokens, logits="none", observe=observe)
+        runner.forward([seq], "exact")
+        observed = seq.observed
+    return Prefix(tokens, LocalKVSource(cache, len(tokens)), observed)
+
+
+def split_prompt(
+    runner: ModelRunner, prompt: Sequence[int], observe: int = 128
+) -> tuple[Prefix, list[int]]:
+    """An in-process prompt: everything but its last token becomes the cached prefix."""
+    if not prompt:
+        raise ValueError("every prompt needs at least one token")
+    return prefill_prefix(runner, prompt[:-1], observe), list(prompt[-1:])
+
+
+TokenListener = Callable[[list[int]], None]
+
+
+class Ticket:
+    """A submitted request: verified tokens reach `on_tokens` as they are accepted; `wait`
+    returns the result (or raises the error that ended the request)."""
+
+    def __init__(self, request: Request, on_tokens: TokenListener | None = None) -> None:
+        self.request = request
+        self.on_tokens = on_tokens
+        self.submitted = time.perf_counter()
+        self.on_done: Callable[[], None] | None = None
+        """Called once, from the engine's thread, when the request has ended."""
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError("the request did not finish in time")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request (the caller went away); thread-safe."""
+        self.cancelled = True
+
+    def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        """End the ticket once (later calls are ignored) and call `on_done`."""
+        if self._done.is_set():
+            return
+        self.result, self.error = result, error
+        self._done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done()
+            except Exception:  # the request has ended either way
+                log.exception("a request's on_done listener failed")

@@ -1,0 +1,387 @@
+"""Admission under the KV budget, the prefix groups requests share, and retirement.
+
+Everything the engine keeps for a request is reserved from the `KVBudget` before the
+request is admitted (DESIGN.md section 4): its own tails, its share of what its prefix group
+holds (the compressed prefix, or the full prefix in full-KV mode or after a local
+recompute), and the growth of the shared staging ring and decode scratch. The queue is
+served first come, first served: the head waits until its bytes fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from decoder.budget import KVBudget
+from decoder.compressors import CompressedKV, CompressorPipeline
+from decoder.compressors.artifact import validate
+from decoder.draft_cache import DraftCache, DraftPrefix, DraftScratch
+from decoder.engine.accounting import KVBytes
+from decoder.engine.config import EngineConfig
+from decoder.engine.exact import recompute_prefix
+from decoder.engine.ngram import NgramProposer
+from decoder.engine.request import Prefix, Request, Ticket
+from decoder.engine.state import PrefixGroup, Running
+from decoder.errors import Cancelled, OverBudget, Unreachable
+from decoder.kv_cache import KVCache
+from decoder.kv_source import LocalKVSource
+from decoder.runner import ModelRunner
+from decoder.sampling import Sampler
+from decoder.staging import LayerRing
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """The queue, the requests in flight and their prefix groups, and their budget."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        pipeline: CompressorPipeline | None,
+        budget: KVBudget,
+        ring: LayerRing,
+        eos: frozenset[int],
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.pipeline = pipeline
+        self.budget = budget
+        self.ring = ring
+        self.eos = eos
+        self.bytes = KVBytes(runner.config, runner.rc.key_chunk)
+        c = runner.config
+        self.scratch = DraftScratch(c.num_kv_heads, c.head_dim)
+        self.running: list[Running] = []
+        self.groups: dict[int, PrefixGroup] = {}  # id(prefix) -> group
+        self._queue: deque[Ticket] = deque()
+        self._lock = threading.Lock()
+        self._ring_charged = 0
+        self._scratch_charged = 0
+        self.timers: dict[str, float] = {}
+        """The engine's timers (copied into each request at admission)."""
+
+    # -- the queue ----------------------------------------------------------------------------
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._queue.append(ticket)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def drain(self) -> list[Ticket]:
+        """Empty the queue; returns what was in it."""
+        with self._lock:
+            queued, self._queue = list(self._queue), deque()
+        return queued
+
+    def admit(self) -> list[Running]:
+        """Admit queued requests in order while their bytes fit; the newly admitted.
+
+        A request that can never run (bad input, an artifact that does not fit the model,
+        more bytes than the whole budget) fails alone and the next one is considered."""
+        self._drop_cancelled()
+        if not self.running:
+            self.release_idle_buffers()  # a waiting request must not wait on our own staging
+        fresh = []
+        while True:
+            with self._lock:
+                if not self._queue:
+                    break
+                ticket = self._queue[0]
+            try:
+                running = self._try_admit(ticket)
+            except Exception as error:
+                with self._lock:
+                    self._queue.popleft()
+                ticket.finish(None, error)
+                continue
+            if running is None:
+                if self._demote_one():
+                    continue  # a resident prefix made room: try the head again
+                break  # head of the queue waits for room (first come, first served)
+            with self._lock:
+                self._queue.popleft()
+            self.running.append(running)
+            fresh.append(running)
+        if not self.queued:
+            self._promote()
+        return fresh
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            cancelled = [t for t in self._queue if t.cancelled]
+            if cancelled:
+                self._queue = deque(t for t in self._queue if not t.cancelled)
+        for ticket in cancelled:
+            ticket.finish(None, Cancelled("the request was cancelled"))
+        for r in self.running:
+            if r.ticket.cancelled:
+                r.fail(Cancelled("the request was cancelled"))
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def compressed(self, prefix: Prefix) -> CompressedKV:
+        """The prefix's compressed KV for this engine's spec, built once per prefix."""
+        assert self.pipeline is not None
+        spec = self.pipeline.spec
+        if spec not in prefix.artifacts:
+            c = self.runner.config
+            prefix.artifacts[spec] = self.pipeline.compress(
+                prefix.source, prefix.observed, c.num_layers, c.num_kv_heads, c.head_dim
+            )
+        return prefix.artifacts[spec]
+
+    def tail_capacity(self, req: Request) -> int:
+        return len(req.suffix) + req.max_new_tokens + self.config.max_horizon + 1
+
+    def _own_bytes(self, tail_capacity: int) -> int:
+        """A request's own buffers: its exact tail and, when it drafts, its draft tail."""
+        tail = self.bytes.dense(tail_capacity)
+        if self.pipeline is None:
+            return tail
+        return tail + self.bytes.draft_tail(tail_capacity)
+
+    def _try_admit(self, ticket: Ticket) -> Running | None:
+        req = ticket.request
+        self._check_suffix(req)
+        capacity = self.tail_capacity(req)
+        group = self.groups.get(id(req.prefix))
+        new_group = group is None
+        if group is not None and group.resident_charged and capacity > group.room:
+            self._demote(group)  # its resident copy has no room for this request's tail
+        t0 = time.perf_counter()
+        if group is None:
+            self._check_artifact(req.prefix)
+            group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
+        own = self._own_bytes(capacity)
+        room = max(group.room, capacity)
+        buffers = self._buffers_growth(group, room)
+        # A prefix held in local memory (prefilled here, not in the store) counts too.
+        local = isinstance(group.source, LocalKVSource) and new_group
+        shared = buffers + (group.source.nbytes if local else 0)
+        scratch = self._scratch_growth(group, room)
+        staging = self._staging_growth(group.source.length + room)
+        need = own + shared + scratch + staging
+        if not self.budget.try_reserve(need):
+            # With nothing of ours in flight, `need` is what the request needs on its own.
+            if not self.running and self.budget.limit is not None and need > self.budget.limit:
+                raise OverBudget(
+                    f"the request needs {need} bytes of KV but the decoder's budget is "
+                    f"{self.budget.limit} bytes"
+                )
+            return None
+        previous_room = group.room
+        try:
+            if new_group or capacity > group.room:
+                group.room = room
+                self._build_shared(group)
+            tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
+            draft = DraftCache(group.draft, capacity) if group.draft is not None else None
+        except BaseException:
+            group.room = previous_room
+            self.budget.release(need)
+            raise
+        group.charged += shared
+        group.buffers += buffers
+        self._ring_charged += staging
+        self._scratch_charged += scratch
+        if new_group:
+            self.groups[id(req.prefix)] = group
+        group.members += 1
+        running = Running(
+            ticket,
+            group,
+            Sampler(req.sampling),
+            tail,
+            self.eos,
+            charged=own,
+            admitted=time.perf_counter(),
+            timers=dict(self.timers),
+        )
+        running.draft = draft
+        if self.config.ngram:
+            running.proposer = NgramProposer(req.prefix.ngrams, req.suffix)
+        if new_group and self.config.mode == "full" and not group.local:
+            running.stats.pulled_bytes += group.source.nbytes  # the resident copy's pull
+        running.stats.compress_s = time.perf_counter() - t0
+        return running
+
+    def _check_suffix(self, req: Request) -> None:
+        """A token the runner would refuse fails this request here, not a shared pass."""
+        vocab = self.runner.config.vocab_size
+        bad = next((t for t in req.suffix if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"suffix: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _check_artifact(self, prefix: Prefix) -> None:
+        """The compressed prefix a new group drafts over must fit the model (one the caller
+        put in `prefix.artifacts` may not); raises ArtifactFormatError."""
+        if self.pipeline is not None:
+            compressed = self.compressed(prefix)
+            validate(compressed, self.runner.config, prefix.source.length, self.pipeline.spec)
+
+    def _buffers_growth(self, group: PrefixGroup, room: int) -> int:
+        """Budget bytes the group's shared buffers grow by to hold `room` tail tokens."""
+        if self.config.mode == "full":
+            return self.bytes.dense(group.source.length + room) - group.buffers
+        per_token = self.bytes.draft_layer_token
+        total = 0
+        for layer in self.compressed(group.prefix).layers:
+            total += layer.nbytes if layer.quantized else (layer.kept + room) * per_token
+        return total - group.buffers
+
+    def _scratch_growth(self, group: PrefixGroup, room: int) -> int:
+        """Budget bytes the shared decode buffer of quantized prefixes grows by."""
+        if self.config.mode == "full":
+            return 0
+        layers = self.compressed(group.prefix).layers
+        if not any(layer.quantized for layer in layers):
+            return 0
+        widest = max(layer.kept for layer in layers) + room
+        return max(0, widest * self.bytes.draft_layer_token - self._scratch_charged)
+
+    def _staging_growth(self, capacity: int) -> int:
+        if self.config.mode == "full":
+            return 0
+        return max(0, self.ring.bytes_for(capacity) - self._ring_charged)
+
+    def _build_shared(self, group: PrefixGroup) -> None:
+        if self.config.mode == "full":
+            self._load_resident(group)
+            return
+        c = self.runner.config
+        if group.draft is None:
+            group.draft = DraftPrefix(
+                self.compressed(group.prefix), c.num_kv_heads, c.head_dim, self.scratch
+            )
+        group.draft.ensure_room(group.room)
+
+    def _load_resident(self, group: PrefixGroup) -> None:
+        """Full mode: read the prefix's full KV into memory once, with tail room."""
+        try:
+            group.resident = self._resident_copy(group)
+        except Exception as error:
+            cache = self._empty_resident(group)
+            if not self.recompute(group, cache):
+                raise Unreachable(
+                    f"the prefix's full KV is unreachable ({error}) and cannot be "
+                    "recomputed here; no token was sent"
+                ) from error
+            group.resident = cache
+
+    def _resident_copy(self, group: PrefixGroup) -> KVCache:
+        """The prefix's full KV in a buffer with the group's tail room (copied from the
+        current resident copy when there is one, else read from its source)."""
+        p, old = group.source.length, group.resident
+        cache = self._empty_resident(group)
+        for index, layer in enumerate(cache.layers):
+            if old is not None:
+                layer.k[:, :p] = old.layers[index].k[:, :p]
+                layer.v[:, :p] = old.layers[index].v[:, :p]
+            else:
+                group.source.read_layer(index, layer.k[:, :p], layer.v[:, :p])
+        return cache
+
+    def _empty_resident(self, group: PrefixGroup) -> KVCache:
+        cache = self.runner.new_cache(capacity=group.capacity)
+        for layer in cache.layers:
+            layer.positions[:] = torch.arange(layer.capacity)
+        return cache
+
+    # -- resident prefixes (vericache mode) -----------------------------------------------
+
+    def _promote(self) -> None:
+        """Keep pulled prefixes resident while the budget has room, most-shared first: their
+        passes then read local memory instead of pulling (DESIGN.md section 4)."""
+        if self.config.mode != "vericache" or not self.config.resident:
+            return
+        candidates = [
+            g
+            for g in self.groups.values()
+            if g.pulled and g.members and not isinstance(g.source, LocalKVSource)
+        ]
+        for group in sorted(candidates, key=lambda g: -g.members):
+            nbytes = self.bytes.dense(group.capacity)
+            if not self.budget.try_reserve(nbytes):
+                continue
+            try:
+                group.resident = self._resident_copy(group)
+            except Exception as error:  # not now: its passes pull (and recover) as before
+                self.budget.release(nbytes)
+                log.info("a prefix stays pulled: reading it failed (%r)", error)
+                continue
+            group.resident_charged = nbytes
+            for r in self.running:
+                if r.group is group:
+                    r.stats.pulled_bytes += group.source.nbytes / group.members
+
+    def _demote(self, group: PrefixGroup) -> None:
+        """Drop a resident copy: the group's passes pull again (the staging ring was charged
+        for its capacity when its requests were admitted)."""
+        group.resident = None
+        self.budget.release(group.resident_charged)
+        group.resident_charged = 0
+
+    def _demote_one(self) -> bool:
+        """Make room for a queued request by dropping the least-shared resident copy."""
+        residents = [g for g in self.groups.values() if g.resident_charged]
+        if not residents:
+            return False
+        self._demote(min(residents, key=lambda g: g.members))
+        return True
+
+    def recompute(self, group: PrefixGroup, cache: KVCache | None) -> bool:
+        """Recompute the group's prefix here (into `cache`, or a new buffer charged to the
+        budget); False when recomputing is off, already done, or the bytes do not fit."""
+        if not self.config.recompute or group.local:
+            return False
+        extra = 0 if cache is not None else self.bytes.dense(group.source.length)
+        if not self.budget.try_reserve(extra):
+            return False
+        try:
+            group.source = recompute_prefix(self.runner, group.prefix.tokens, cache)
+        except BaseException:
+            self.budget.release(extra)
+            raise
+        group.charged += extra
+        group.local = True
+        return True
+
+    # -- retirement ---------------------------------------------------------------------------
+
+    def retire(self, deliver: Callable[[Running], None]) -> None:
+        """Release the budget of requests that ended; `deliver` those that did not fail."""
+        keep = []
+        for r in self.running:
+            if not r.done:
+                keep.append(r)
+                continue
+            self.budget.release(r.charged)
+            g = r.group
+            g.members -= 1
+            if g.members == 0:
+                self.budget.release(g.charged + g.resident_charged)
+                self.groups.pop(id(g.prefix), None)
+            if r.stop_reason != "error":
+                deliver(r)
+        self.running = keep
+        if not self.running:
+            self.release_idle_buffers()
+
+    def release_idle_buffers(self) -> None:
+        """Nothing in flight: staging and the decode scratch go back to the budget."""
+        if self._ring_charged or self._scratch_charged:
+            self.ring.drop()
+            self.scratch.drop()
+            self.budget.release(self._ring_charged + self._scratch_charged)
+            self._ring_charged = self._scratch_charged = 0

@@ -1,0 +1,48 @@
+"""What the engine measures per request, and the result it hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestStats:
+    """Counters of one request in flight (turned into `GenerationResult.stats` at the end)."""
+
+    verifications: int = 0
+    drafted: int = 0
+    """Tokens proposed to the verifier."""
+    accepted: int = 0
+    """Proposed tokens the verifier agreed with (before the first mismatch of each round)."""
+    draft_steps: int = 0
+    """Draft forwards this request took part in."""
+    proposed: int = 0
+    """Prompt-lookup (n-gram) tokens proposed to a forward that checked them."""
+    proposals_taken: int = 0
+    """Of which the checking forward agreed with (drafts, or tokens emitted directly)."""
+    pulled_bytes: float = 0.0
+    """Its share of the full prefix KV read for it."""
+    compress_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.verifications += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def speculation(self, generated: int) -> dict[str, float | int]:
+        """The draft/verify figures of the result (vericache mode)."""
+        v = max(1, self.verifications)
+        return {
+            "verifications": self.verifications,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "draft_steps": self.draft_steps,
+            "accepted_per_verification": round(self.accepted / v, 3),
+            "tokens_per_verification": round((generated - 1) / v, 3),
+            "drafts_per_draft_step": round(self.drafted / max(1, self.draft_steps), 3),
+        }
+
+    def ngram(self) -> dict[str, int]:
+        """The prompt-lookup figures of the result (when n-gram speculation is on)."""
+        return {"ngram_proposed": self.proposed, "ngram_accepted": self.proposals_taken}
