@@ -273,6 +273,7 @@ class Engine:
             "pulled_bytes": int(s.pulled_bytes),
             "peak_staging_bytes": self.peak_staging_bytes,
             "recomputed": group.local,
+            "resident_prefix": group.resident is not None,
         }
         if r.req.sampling.temperature > 0:
             stats["seed"] = r.sampler.params.seed

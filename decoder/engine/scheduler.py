@@ -66,6 +66,8 @@ class Scheduler:
         self._scratch_charged = 0
         self.timers: dict[str, float] = {}
         """The engine's timers (copied into each request at admission)."""
+        if config.mode == "vericache" and config.resident:
+            budget.add_reclaimer(self._demote_one)
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -106,8 +108,6 @@ class Scheduler:
                 ticket.finish(None, error)
                 continue
             if running is None:
-                if self._demote_one():
-                    continue  # a resident prefix made room: try the head again
                 break  # head of the queue waits for room (first come, first served)
             with self._lock:
                 self._queue.popleft()
@@ -305,14 +305,10 @@ class Scheduler:
         passes then read local memory instead of pulling (DESIGN.md section 4)."""
         if self.config.mode != "vericache" or not self.config.resident:
             return
-        candidates = [
-            g
-            for g in self.groups.values()
-            if g.pulled and g.members and not isinstance(g.source, LocalKVSource)
-        ]
+        candidates = [g for g in self.groups.values() if g.pulled and g.members and not g.local]
         for group in sorted(candidates, key=lambda g: -g.members):
             nbytes = self.bytes.dense(group.capacity)
-            if not self.budget.try_reserve(nbytes):
+            if not self.budget.try_reserve(nbytes, reclaim=False):
                 continue
             try:
                 group.resident = self._resident_copy(group)
@@ -333,7 +329,8 @@ class Scheduler:
         group.resident_charged = 0
 
     def _demote_one(self) -> bool:
-        """Make room for a queued request by dropping the least-shared resident copy."""
+        """Give budget back (to a request of any engine sharing it) by dropping the
+        least-shared resident copy; False when there is none."""
         residents = [g for g in self.groups.values() if g.resident_charged]
         if not residents:
             return False

@@ -64,7 +64,9 @@ def fresh_prefix(runner, doc, fail_after=None):
 
 
 def engine(runner, model, **config) -> Engine:
+    """An engine whose vericache passes pull (no resident copies) unless told otherwise."""
     config.setdefault("horizon", 4)
+    config.setdefault("resident", False)
     return Engine(runner, EngineConfig(**config), model.eos_token_ids)
 
 
