@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
 from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
-from decoder.service.config import DEFAULT_COMPRESSOR, DecoderConfig
+from decoder.service.config import DEFAULT_COMPRESSOR, MAX_NGRAM, DecoderConfig
 from prefix_store.config import ClientConfig, GiB, ShardConfig
 from prefix_store.metadata import Metadata
 from prefix_store.provenance import load_or_create_key
@@ -100,6 +100,8 @@ class ServeConfig:
     """KV bytes per decoder worker (None = unlimited)."""
     compressor: str = DEFAULT_COMPRESSOR
     """Default compressor spec of the decoders."""
+    ngram: int = 0
+    """The decoders' default prompt-lookup guesses per forward (0: off)."""
     decoder_threads: int | None = None
     """torch threads per decoder (None: the node's cores)."""
     detach: bool = False
@@ -117,6 +119,8 @@ class ServeConfig:
             raise ValueError("shards: must be >= 1")
         if self.decoders < 0:
             raise ValueError("decoders: must be >= 0")
+        if not 0 <= self.ngram <= MAX_NGRAM:
+            raise ValueError(f"ngram: must be in [0, {MAX_NGRAM}]")
         if self.detach and self.address is None:
             raise ValueError("detach: needs a Ray cluster address (--address)")
         if self.replication is not None and not 1 <= self.replication <= self.shards:
@@ -147,6 +151,7 @@ class ServeConfig:
             worker_id=f"decoder-{index}",
             kv_budget=self.kv_budget,
             default_compressor=self.compressor,
+            ngram=self.ngram,
             threads=self.decoder_threads,
             provenance_key=provenance_key,
             client=ClientConfig(tls=self.store_client_tls()),

@@ -100,6 +100,13 @@ def add_commands(sub) -> None:
         help="the decoders' default compressor spec (default: %(default)s)",
     )
     serve.add_argument(
+        "--ngram",
+        type=int,
+        default=0,
+        help="the decoders' default prompt-lookup guesses per forward, 0-32, for requests "
+        "that do not say (default: %(default)s, off)",
+    )
+    serve.add_argument(
         "--detach",
         action="store_true",
         help="with --address: leave the service running on the cluster and exit "
@@ -207,6 +214,7 @@ def run_serve(ns) -> int:
             decoder_port=ns.decoder_port,
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
+            ngram=ns.ngram,
             detach=ns.detach,
             tls=tls,
             tls_ca=tls_ca,

@@ -98,6 +98,23 @@ def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
     assert len(outputs["lossy"]["tokens"]) == 24
 
 
+def test_ngram_guesses_change_no_token(tmp_path):
+    """`--ngram` in full mode (guesses verified by the exact pass) and in vericache mode
+    (checked by the drafter, then verified): the full-KV tokens, with guesses taken."""
+    prompt = tmp_path / "code.py"
+    prompt.write_text(Path(__file__).read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    common = ["--prompt-file", str(prompt), "--max-new-tokens", "32", "--json"]
+    full = run_cli("generate", "--mode", "full", *common)
+    assert full.returncode == 0, full.stderr
+    want = json.loads(full.stdout)["tokens"]
+    for mode in ("full", "vericache"):
+        proc = run_cli("generate", "--mode", mode, "--ngram", "6", *common)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["tokens"] == want, mode
+        assert out["stats"]["ngram_proposed"] >= out["stats"]["ngram_accepted"] >= 0
+
+
 def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_model):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Say hi.", encoding="utf-8")
@@ -132,6 +149,11 @@ def test_generate_from_file_with_chat_template_stops_on_eos(tmp_path, builtin_mo
             "--horizon must be 'auto' or an integer >= 0, got 'many'",
         ),
         (["generate", "--prompt", "x", "--horizon", "-2"], "--horizon must be 'auto'"),
+        (["generate", "--prompt", "x", "--ngram", "33"], "--ngram must be in [0, 32], got 33"),
+        (
+            ["generate", "--prompt", "x", "--ngram", "4", "--runner", "fast"],
+            "--ngram needs the exact runner",
+        ),
         (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
         (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["generate", "--prompt", "x", "--top-k", "-5"], "--top-k must be >= 0"),

@@ -76,21 +76,27 @@ def test_publish_then_remote_vericache_equals_full_kv(
         question = builtin_model.encode("\n# Question: what does dedent do?\n")[1:]
         prompt = doc_ids + question
         cases = [
-            ("snapkv:budget=0.125", None),
-            ("kivi:bits=4", SAMPLED),
-            ("streamingllm:sink=4,window=60", None),  # no artifact yet: built once, stored
+            ("snapkv:budget=0.125", None, None),
+            ("kivi:bits=4", SAMPLED, 6),  # with prompt-lookup guesses checked by the drafter
+            ("streamingllm:sink=4,window=60", None, None),  # no artifact yet: built, stored
         ]
-        for spec, sampling in cases:
+        for spec, sampling, ngram in cases:
             reply = client.generate(
-                token_ids=prompt, max_new_tokens=NEW, compressor=spec, **(sampling or {})
+                token_ids=prompt,
+                max_new_tokens=NEW,
+                compressor=spec,
+                ngram=ngram,
+                **(sampling or {}),
             )
             want = reference(builtin_runner, builtin_model, prompt, sampling)
             assert reply.tokens == want, spec
             assert reply.stats["cached_tokens"] == len(doc_ids)
             assert reply.stats["verifications"] >= 1
             assert reply.text == builtin_model.decode(want)
-        full = client.generate(token_ids=prompt, max_new_tokens=NEW, mode="full")
-        assert full.tokens == reference(builtin_runner, builtin_model, prompt)
+            assert ("ngram_proposed" in reply.stats) == bool(ngram)
+        for ngram in (None, 6):
+            full = client.generate(token_ids=prompt, max_new_tokens=NEW, mode="full", ngram=ngram)
+            assert full.tokens == reference(builtin_runner, builtin_model, prompt)
     # The artifact the decoder built is in the store now, for every later worker.
     with StoreClient(list(service.endpoints.values()), tenants["a"]) as store:
         from decoder.store_source import kv_layout
@@ -220,6 +226,8 @@ def test_bad_requests_get_precise_errors(service, tenants):
             client.generate(text="hello there", max_new_tokens=0)
         with pytest.raises(InvalidArgument, match="mode"):
             client.generate(text="hello there", max_new_tokens=4, mode="turbo")
+        with pytest.raises(InvalidArgument, match="ngram must be <= 32, got 33"):
+            client.generate(text="hello there", max_new_tokens=4, ngram=33)
         with pytest.raises(InvalidArgument, match="vocabulary"):
             client.generate(token_ids=[1, 10**7], max_new_tokens=4)
 
