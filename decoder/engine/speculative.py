@@ -186,3 +186,4 @@ def _accept(r: Running, logits: torch.Tensor, before: int) -> None:
         r.stats.proposals_taken += accepted
     taken = r.emit(choices[: accepted + 1])
     rollback(r, before, taken)
+    r.drafts = []  # the round is over: the next one drafts (or guesses) afresh
