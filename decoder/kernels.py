@@ -12,17 +12,26 @@ computed alongside. It rests on three facts that `decoder.selfcheck` proves at s
 - the per-chunk partial results are merged in position order by a sequential prefix sum,
   and each query reads the prefix that ends at its own chunk, so keys after it (absent or
   present) never enter its result.
+
+Exact attention has two implementations with different bits: the fused C++ kernel
+(`decoder.kernels_ext`, one pass per key chunk with an online softmax, each query row
+computed on its own) and the torch one below (the fallback). `exact_kernel_id` names the
+one a process uses; exact KV is stored and looked up under it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from decoder import kernels_ext
 from decoder.config import RopeConfig, ceil_to
+
+TORCH_KERNEL_ID = "torch-v1"
 
 
 class Linear:
@@ -142,14 +151,26 @@ class _QueryBlock:
 class AttentionPlan:
     """Index work of exact attention for one sequence's queries, shared by every layer."""
 
-    blocks: tuple[_QueryBlock, ...]
+    blocks: tuple[_QueryBlock, ...]  # torch kernel only (empty with the fused kernel)
     key_chunk: int
+    positions: torch.Tensor  # [T] int64, contiguous: each query's own position
+    fused: bool  # run the fused kernel (else the torch one)
 
     @classmethod
     def build(
-        cls, q_pos: torch.Tensor, group: int, *, key_chunk: int, row_tile: int, query_block: int
+        cls,
+        q_pos: torch.Tensor,
+        group: int,
+        *,
+        key_chunk: int,
+        row_tile: int,
+        query_block: int,
+        fused: bool = False,
     ) -> AttentionPlan:
         """q_pos: [T] absolute positions of the queries; `group` query heads per kv head."""
+        positions = q_pos.to(torch.long).contiguous()
+        if fused:
+            return cls((), key_chunk, positions, True)
         blocks = []
         for start in range(0, q_pos.shape[0], query_block):
             end = min(q_pos.shape[0], start + query_block)
@@ -171,7 +192,96 @@ class AttentionPlan:
                     n_chunks,
                 )
             )
-        return cls(tuple(blocks), key_chunk)
+        return cls(tuple(blocks), key_chunk, positions, False)
+
+
+def fused_kernel(head_dim: int) -> ModuleType | None:
+    """The fused exact-attention kernel when it serves this head size (a multiple of 8) on
+    this machine, else None: exact mode then uses the torch implementation."""
+    if head_dim % 8:
+        return None
+    return kernels_ext.module()
+
+
+def exact_kernel_id(head_dim: int) -> str:
+    """Names the exact-attention implementation this process uses for `head_dim`.
+
+    Exact KV computed by one implementation is not bitwise that of another, so a decoder
+    must verify only against KV made by its own: the id is part of the identity under which
+    exact KV is stored and looked up (`decoder.store_source.kv_layout`). The fused kernel's
+    id carries a digest of its source and compiler flags, so any change to its arithmetic
+    gives a new id (a miss, never a wrong hit).
+    """
+    if fused_kernel(head_dim) is None:
+        return TORCH_KERNEL_ID
+    return f"fused-avx2-{kernels_ext.source_digest()[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionState:
+    """Online-softmax state of query rows part-way through their keys (fused kernel).
+
+    m [T, H]: running max of the scores seen; l [T, H]: running sum of exp(score - m);
+    acc [T, H, D]: running sum of exp(score - m) * value. Token-major, so the rows of a
+    run of tokens (`tokens(start, end)`) are a contiguous view of the state.
+    """
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 - the softmax denominator's usual name
+    acc: torch.Tensor
+
+    @classmethod
+    def start(cls, tokens: int, heads: int, dim: int) -> AttentionState:
+        """The state before any key: m = -inf, l = 0, acc = 0."""
+        return cls(
+            torch.full((tokens, heads), float("-inf")),
+            torch.zeros(tokens, heads),
+            torch.zeros(tokens, heads, dim),
+        )
+
+    def tokens(self, start: int, end: int) -> AttentionState:
+        """A view of the rows of tokens [start, end)."""
+        return AttentionState(self.m[start:end], self.l[start:end], self.acc[start:end])
+
+
+def attend_chunks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    state: AttentionState,
+    *,
+    key_chunk: int,
+    first_chunk: int = 0,
+    stop_chunk: int | None = None,
+    finish: bool = False,
+) -> None:
+    """Fused kernel: walk key chunks [first_chunk, stop_chunk) of every query, in place.
+
+    Each query sees the keys of those chunks up to its own position. With `finish`,
+    state.acc becomes the attention output (acc / l). A query's result after walking its
+    chunks over several calls, or beside any other queries, is bitwise the result of one
+    call over all its chunks alone.
+    q: [T, H, D] contiguous, rotated and scaled; keys, values: [KVH, capacity, D], slot j
+    holding position j (dense within each head); positions: [T] int64 contiguous.
+    """
+    module = fused_kernel(q.shape[-1])
+    if module is None:
+        raise RuntimeError("the fused exact-attention kernel is not available")
+    stop = -1 if stop_chunk is None else stop_chunk
+    module.attend(
+        q,
+        keys,
+        values,
+        positions,
+        state.m,
+        state.l,
+        state.acc,
+        key_chunk,
+        first_chunk,
+        stop,
+        finish,
+    )
 
 
 def exact_attention(
@@ -184,9 +294,15 @@ def exact_attention(
         from position 0); capacity is a multiple of key_chunk and every slot holds finite
         values (unused slots are masked, never read as NaN).
     plan: built from the queries' positions; every key at a position <= a query's own
-        position must be present.
+        position must be present. `plan.fused` runs the fused kernel (which reads only
+        those keys), else the torch implementation below.
     Returns [T, H, D].
     """
+    if plan.fused:
+        q = q.contiguous()
+        state = AttentionState.start(*q.shape)
+        attend_chunks(q, keys, values, plan.positions, state, key_chunk=plan.key_chunk, finish=True)
+        return state.acc
     out = torch.empty_like(q)
     for block in plan.blocks:
         out[block.start : block.end] = _exact_attention_block(

@@ -29,6 +29,7 @@ from decoder.kernels import (
     apply_rope,
     exact_attention,
     fast_attention,
+    fused_kernel,
     rms_norm,
     swiglu,
 )
@@ -138,6 +139,7 @@ class ModelRunner:
             key_chunk=self.rc.key_chunk,
             row_tile=self.rc.attention_row_tile,
             query_block=self.rc.query_block,
+            fused=fused_kernel(self.config.head_dim) is not None,
         )
 
     def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, plans):

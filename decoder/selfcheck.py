@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from decoder.config import ModelConfig, RunnerConfig
+from decoder.kernels import exact_kernel_id
 from decoder.weights import ModelWeights
 
 _RESULTS: dict[tuple, str | None] = {}
@@ -30,6 +31,7 @@ def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfi
         torch.get_num_threads(),
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
+        exact_kernel_id(config.head_dim),
     )
     if key not in _RESULTS:
         _RESULTS[key] = _run_check(config, weights, rc)

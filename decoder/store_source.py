@@ -13,14 +13,22 @@ from collections.abc import Sequence
 import torch
 
 from decoder.config import ModelConfig
+from decoder.kernels import exact_kernel_id
 from decoder.kv_source import FullKVSource
 from prefix_store.client import CachedPrefix, StoreClient
 from prefix_store.layout import KVLayout
 
 
 def kv_layout(config: ModelConfig, model_id: str, dtype: str = "float32") -> KVLayout:
-    """The store layout of a model's KV."""
-    return KVLayout(model_id, dtype, config.num_layers, config.num_kv_heads, config.head_dim)
+    """The store layout of a model's exact KV as this process computes it.
+
+    The layout's model id is `model_id` (the weights' fingerprint) joined with the exact
+    attention kernel this process runs (`exact_kernel_id`): KV computed by another kernel is
+    not bitwise the same, so a decoder with a different kernel derives other chunk keys and
+    sees a miss, never KV it cannot verify against.
+    """
+    identity = f"{model_id}+{exact_kernel_id(config.head_dim)}"
+    return KVLayout(identity, dtype, config.num_layers, config.num_kv_heads, config.head_dim)
 
 
 class StoreKVSource:

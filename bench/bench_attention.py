@@ -1,0 +1,179 @@
+"""Exact attention alone: the fused kernel against the torch implementation.
+
+Verification-shaped calls of SmolLM2-135M's attention (9 query heads, 3 kv heads, head_dim
+64, fp32): a few query tokens at the end of a 4K or 8K context, as one layer of an exact
+pass sees them. The two implementations are timed interleaved (the machine may be shared)
+and the table reports medians of wall time per call and their ratio.
+
+With --passes, also whole exact forward passes of the built-in model (30 layers): a
+verification of T tokens over a prefix of each context (its KV random: timing does not
+depend on the values), with either kernel.
+
+Usage: python bench/bench_attention.py [--contexts 4096 8192] [--tokens 1 4 8 16 32]
+       [--repeats 15] [--threads N] [--passes] [--out bench/results/attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decoder.kernels import AttentionPlan, exact_attention, exact_kernel_id  # noqa: E402
+
+HEADS, KV_HEADS, DIM, CHUNK = 9, 3, 64, 256
+
+
+def _once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_shape(context: int, tokens: int, repeats: int) -> dict:
+    """Median ms per call of both implementations, interleaved call by call."""
+    g = torch.Generator().manual_seed(context + tokens)
+    keys = torch.randn(KV_HEADS, context, DIM, generator=g)
+    values = torch.randn(KV_HEADS, context, DIM, generator=g)
+    q = torch.randn(tokens, HEADS, DIM, generator=g) / DIM**0.5
+    positions = torch.arange(context - tokens, context)
+    plans = {
+        name: AttentionPlan.build(
+            positions, HEADS // KV_HEADS, key_chunk=CHUNK, row_tile=4, query_block=256, fused=f
+        )
+        for name, f in (("torch", False), ("fused", True))
+    }
+    samples: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(repeats):
+        for name, plan in plans.items():
+            samples[name].append(_once(lambda p=plan: exact_attention(q, keys, values, p)))
+    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    return {
+        "context": context,
+        "tokens": tokens,
+        "torch_ms": round(ms["torch"], 3),
+        "fused_ms": round(ms["fused"], 3),
+        "speedup": round(ms["torch"] / ms["fused"], 2),
+    }
+
+
+def bench_pass(runner, context: int, tokens: int, repeats: int) -> dict:
+    """Median ms of one exact verification pass of `tokens` tokens over `context` cached
+    tokens, with the fused kernel and with the torch one, interleaved."""
+    import decoder.runner as runner_module
+
+    prefix = _random_cache(runner, context, tokens)
+    ids = list(range(100, 100 + tokens))
+    real = runner_module.fused_kernel
+    kernels = {"torch": lambda head_dim: None, "fused": real}
+    samples: dict[str, list[float]] = {name: [] for name in kernels}
+    try:
+        for _ in range(repeats):
+            for name, kernel in kernels.items():
+                runner_module.fused_kernel = kernel
+                for layer in prefix.layers:
+                    layer.truncate(context)
+                seq = runner_module.SeqInput.extend(prefix, ids, "all")
+                samples[name].append(_once(lambda s=seq: runner.forward([s])))
+    finally:
+        runner_module.fused_kernel = real
+    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    return {
+        "context": context,
+        "tokens": tokens,
+        "torch_ms": round(ms["torch"], 1),
+        "fused_ms": round(ms["fused"], 1),
+        "speedup": round(ms["torch"] / ms["fused"], 2),
+    }
+
+
+def _random_cache(runner, context: int, extra: int):
+    cache = runner.new_cache(capacity=context + extra)
+    g = torch.Generator().manual_seed(context)
+    for layer in cache.layers:
+        k = torch.randn(layer.k.shape[0], context, layer.k.shape[2], generator=g)
+        layer.append(k, torch.randn(k.shape, generator=g), torch.arange(context))
+    return cache
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
+    p.add_argument("--passes", action="store_true", help="also time whole exact passes")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernel = exact_kernel_id(DIM)
+    if not kernel.startswith("fused"):
+        sys.exit("the fused kernel is unavailable here: nothing to compare")
+    rows = []
+    for context in args.contexts:
+        for tokens in args.tokens:
+            row = bench_shape(context, tokens, args.repeats)
+            rows.append(row)
+            print(
+                f"ctx {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
+                f"fused {row['fused_ms']} ms ({row['speedup']}x)",
+                flush=True,
+            )
+    print("\n| context | query tokens | torch ms | fused ms | speedup |\n|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['context']} | {r['tokens']} | {r['torch_ms']} | {r['fused_ms']} | "
+            f"{r['speedup']}x |"
+        )
+    passes = _passes(args) if args.passes else []
+    meta = {
+        "kernel": kernel,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "repeats": args.repeats,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "passes": passes}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+def _passes(args) -> list[dict]:
+    from decoder.loader import load_model
+    from decoder.runner import ModelRunner
+
+    model = load_model()
+    runner = ModelRunner(model.config, model.weights)
+    runner.ensure_exact_supported()
+    rows = []
+    for context in args.contexts:
+        for tokens in args.tokens:
+            row = bench_pass(runner, context, tokens, max(3, args.repeats // 3))
+            rows.append(row)
+            print(
+                f"pass over {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
+                f"fused {row['fused_ms']} ms ({row['speedup']}x)",
+                flush=True,
+            )
+    print(
+        "\n| context | tokens | exact pass, torch ms | fused ms | speedup |\n|---|---|---|---|---|"
+    )
+    for r in rows:
+        print(
+            f"| {r['context']} | {r['tokens']} | {r['torch_ms']} | {r['fused_ms']} | "
+            f"{r['speedup']}x |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
