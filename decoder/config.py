@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Mode = Literal["exact", "fast"]
+DraftWeights = Literal["fp32", "int8", "fp16", "bf16"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,15 @@ class RunnerConfig:
     """torch intra-op threads; None keeps torch's default."""
     self_check: bool = True
     """Run the exact-mode self-check before the first exact forward."""
+    draft_weights: DraftWeights = "fp16"
+    """Precision of the linear weights in fast (draft) mode: "fp16" (weights rounded to
+    fp16, fp32 arithmetic), "int8" (per-channel weights, activations quantized per call),
+    "bf16", or "fp32" (the exact weights, no copy). The copy is built at the first fast
+    forward (`ModelRunner.draft_weight_bytes` says its size); exact mode always uses the
+    fp32 weights. On the development machines fp16 drafted the same tokens as fp32 at 2-3x
+    its speed for 1-4 rows; int8 was a little faster but drafted about 8% other tokens
+    (DESIGN.md section 10). fp16 and int8 need torch's fbgemm engine; without it, fast mode
+    falls back to fp32 with a warning."""
 
     def __post_init__(self) -> None:
         for name in ("row_tile", "attention_row_tile"):
@@ -156,6 +166,11 @@ class RunnerConfig:
             raise ValueError(f"RunnerConfig.query_block must be positive, got {self.query_block}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"RunnerConfig.threads must be positive, got {self.threads}")
+        if self.draft_weights not in get_args(DraftWeights):
+            raise ValueError(
+                f"RunnerConfig.draft_weights must be one of {get_args(DraftWeights)}, "
+                f"got {self.draft_weights!r}"
+            )
 
 
 def ceil_to(n: int, multiple: int) -> int:

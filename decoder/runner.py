@@ -14,7 +14,9 @@ guarantee; it is meant for drafting.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,6 +36,7 @@ from decoder.kernels import (
     swiglu,
 )
 from decoder.kv_cache import KVCache, SeqCache
+from decoder.quant import LinearFn, int8_engine, low_precision_linear
 from decoder.weights import LayerWeights, ModelWeights
 
 Logits = Literal["all", "last", "none"]
@@ -84,6 +87,14 @@ class ModelRunner:
         self.layers = [_PackedLayer(w) for w in weights.layers]
         self.lm_head = Linear(weights.lm_head)
         self._exact_checked = not self.rc.self_check
+        self._draft: _Linears | None = None  # built at the first fast forward
+        self._draft_lock = threading.Lock()
+
+    @property
+    def draft_weight_bytes(self) -> int:
+        """Bytes of the fast mode's low-precision weight copy; 0 until the first fast forward
+        builds it, and 0 for `draft_weights="fp32"` (which uses the exact weights)."""
+        return self._draft.nbytes if self._draft is not None else 0
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         return KVCache(self.config, granule=self.rc.key_chunk, capacity=capacity)
@@ -112,10 +123,38 @@ class ModelRunner:
         x = self.weights.embed[token_ids]  # [rows, d]
         cos, sin = self.rope.lookup(positions)  # [rows, D] each
         plans = [self._plan(s) for s in seqs] if exact else [None] * len(seqs)
-        for index, layer in enumerate(self.layers):
+        linears = _Linears(self.layers, self.lm_head) if exact else self._draft_linears()
+        for index, layer in enumerate(linears.layers):
             x = x + self._attention(index, layer, x, cos, sin, seqs, spans, plans)
             x = x + self._mlp(layer, x)
-        return self._logits(x, seqs, spans, exact)
+        return self._logits(x, seqs, spans, exact, linears.lm_head)
+
+    def _draft_linears(self) -> _Linears:
+        """Fast mode's linear layers (`RunnerConfig.draft_weights`), built on first use."""
+        with self._draft_lock:
+            if self._draft is None:
+                self._draft = self._build_draft_linears()
+            return self._draft
+
+    def _build_draft_linears(self) -> _Linears:
+        kind = self.rc.draft_weights
+        if kind in ("int8", "fp16") and int8_engine() is None:
+            warnings.warn(
+                f"{kind} draft weights need torch's fbgemm engine; drafting with fp32 weights",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            kind = "fp32"
+        if kind == "fp32":
+            return _Linears(self.layers, self.lm_head)
+
+        def make(weight: torch.Tensor) -> LinearFn:
+            return low_precision_linear(weight, kind)
+
+        layers = [_PackedLayer(w, make) for w in self.weights.layers]
+        lm_head = make(self.weights.lm_head)
+        linears = [lm_head] + [f for layer in layers for f in layer.linears]
+        return _Linears(layers, lm_head, sum(f.nbytes for f in linears))
 
     def ensure_exact_supported(self) -> None:
         """Run the exact-mode self-check once (cached per platform and shapes)."""
@@ -178,7 +217,7 @@ class ModelRunner:
         h = rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
         return w.w_down(swiglu(w.w_gate_up(h)))
 
-    def _logits(self, x, seqs, spans, exact: bool) -> list[torch.Tensor | None]:
+    def _logits(self, x, seqs, spans, exact: bool, lm_head) -> list[torch.Tensor | None]:
         picks = [
             _picked_rows(seq.logits, start, end)
             for seq, (start, end) in zip(seqs, spans, strict=True)
@@ -190,7 +229,7 @@ class ModelRunner:
         selected = x.new_zeros(padded, x.shape[1])
         selected[: rows.numel()] = x[rows]
         h = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
-        logits = self.lm_head(h)  # [padded, V]
+        logits = lm_head(h)  # [padded, V]
         out: list[torch.Tensor | None] = []
         offset = 0
         for seq, pick in zip(seqs, picks, strict=True):
@@ -229,12 +268,27 @@ class ModelRunner:
 
 
 class _PackedLayer:
-    """A block's weights with its linear layers packed for the matrix kernels."""
+    """A block's weights with its linear layers packed for the matrix kernels (`linear`:
+    the exact fp32 `Linear` by default, a low-precision one for the drafter)."""
 
-    def __init__(self, w: LayerWeights) -> None:
+    def __init__(self, w: LayerWeights, linear: Callable[[torch.Tensor], LinearFn] = Linear):
         self.attn_norm, self.mlp_norm = w.attn_norm, w.mlp_norm
-        self.wqkv, self.wo = Linear(w.wqkv), Linear(w.wo)
-        self.w_gate_up, self.w_down = Linear(w.w_gate_up), Linear(w.w_down)
+        self.wqkv, self.wo = linear(w.wqkv), linear(w.wo)
+        self.w_gate_up, self.w_down = linear(w.w_gate_up), linear(w.w_down)
+
+    @property
+    def linears(self) -> tuple[LinearFn, ...]:
+        return (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+
+
+@dataclass(frozen=True, slots=True)
+class _Linears:
+    """The linear layers one forward computes with; `nbytes`: bytes they hold of their own
+    (0 when they are the exact weights)."""
+
+    layers: Sequence[_PackedLayer]
+    lm_head: LinearFn
+    nbytes: int = 0
 
 
 def _picked_rows(which: Logits, start: int, end: int) -> torch.Tensor:

@@ -49,7 +49,8 @@ TINY_CONFIGS = {
     ),
 }
 # Small key chunks and query blocks so that 100 tokens cross many chunk and block boundaries.
-TINY_RC = RunnerConfig(key_chunk=32, query_block=48)
+# Fast mode drafts with the fp32 weights here: its kernels are compared with exact mode's.
+TINY_RC = RunnerConfig(key_chunk=32, query_block=48, draft_weights="fp32")
 T = 100
 
 
