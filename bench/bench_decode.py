@@ -5,10 +5,13 @@ once per engine; each batch row then continues from a copy of that prefix with i
 next token, so rows decode different sequences at the same context. Timings are medians
 over repeats of a fixed number of decode steps, and the table reports ratios to
 `transformers` measured in the same run. `transformers` runs its own `generate` on a
-prefilled `DynamicCache` (so its timed work is decode steps only).
+prefilled `DynamicCache` (so its timed work is decode steps only). "fast" runs with the
+runner's default draft weights (`RunnerConfig.draft_weights`); a second table times fast
+mode with each `--draft-weights` setting (one runner each, the same prefix), interleaved.
 
 Usage: python bench/bench_decode.py [--contexts 512 2048 8192] [--batches 1 8]
-       [--steps 8] [--repeats 3] [--out bench/results/decode.json]
+       [--steps 8] [--repeats 3] [--draft-weights fp32 int8 fp16 bf16]
+       [--out bench/results/decode.json]
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from decoder.config import DraftWeights, RunnerConfig  # noqa: E402
 from decoder.kv_cache import KVCache  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
 from decoder.runner import ModelRunner, SeqInput  # noqa: E402
@@ -55,6 +60,18 @@ def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mod
             tokens = [[int(lg[-1].argmax())] for lg in logits]
         samples.append((time.perf_counter() - start) / steps)
     return statistics.median(samples)
+
+
+def time_draft_weights(
+    runners: dict[str, ModelRunner], prefix: KVCache, batch: int, steps: int, repeats: int
+) -> dict[str, float]:
+    """Median seconds per fast-mode decode step for each draft-weights runner, interleaved
+    (one repeat of each in turn, so that a noisy neighbour hits them alike)."""
+    samples: dict[str, list[float]] = {kind: [] for kind in runners}
+    for _ in range(repeats):
+        for kind, runner in runners.items():
+            samples[kind].append(time_ours(runner, prefix, batch, steps, 1, "fast"))
+    return {kind: statistics.median(s) for kind, s in samples.items()}
 
 
 def time_transformers(hf, prompt: list[int], batch: int, steps: int, repeats: int) -> float:
@@ -88,6 +105,12 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--draft-weights",
+        nargs="*",
+        default=list(get_args(DraftWeights)),
+        choices=get_args(DraftWeights),
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
     args = p.parse_args()
 
@@ -96,6 +119,12 @@ def main() -> None:
     model = load_model()
     runner = ModelRunner(model.config, model.weights)
     runner.ensure_exact_supported()
+    drafters = {
+        kind: ModelRunner(model.config, model.weights, RunnerConfig(draft_weights=kind))
+        for kind in args.draft_weights
+    }
+    for r in [runner, *drafters.values()]:  # build the draft weights outside the timings
+        r.forward([SeqInput.extend(r.new_cache(), [1])], "fast")
     hf = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()
     rows = []
     for context in args.contexts:
@@ -118,11 +147,17 @@ def main() -> None:
                 "exact_vs_transformers": round(step["transformers"] / step["exact"], 3),
                 "fast_vs_transformers": round(step["transformers"] / step["fast"], 3),
             }
+            drafts = time_draft_weights(drafters, prefix, batch, args.steps, args.repeats)
+            row["draft_weights_ms_per_token"] = {
+                kind: round(v * 1e3 / batch, 2) for kind, v in drafts.items()
+            }
             rows.append(row)
             print(_format_row(row), flush=True)
         del prefix
 
     print("\n" + _table(rows))
+    if args.draft_weights:
+        print("\n" + _draft_table(rows, args.draft_weights))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": model.name,
@@ -131,6 +166,8 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "steps": args.steps,
         "repeats": args.repeats,
+        "default_draft_weights": RunnerConfig().draft_weights,
+        "draft_weight_bytes": {kind: r.draft_weight_bytes for kind, r in drafters.items()},
     }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {args.out}")
@@ -156,6 +193,20 @@ def _table(rows: list[dict]) -> str:
             f"{r['fast_ms_per_token']} | {r['transformers_ms_per_token']} | "
             f"{r['exact_vs_transformers']}x | {r['fast_vs_transformers']}x |"
         )
+    return "\n".join(lines)
+
+
+def _draft_table(rows: list[dict], kinds: list[str]) -> str:
+    """Fast-mode ms per token with each draft-weights setting, and speed vs fp32's."""
+    head = "| context | batch | " + " | ".join(f"fast {k} ms/tok" for k in kinds) + " |"
+    lines = [head, "|" + "---|" * (2 + len(kinds))]
+    for r in rows:
+        ms = r["draft_weights_ms_per_token"]
+        base = ms.get("fp32")
+        cells = [
+            f"{ms[k]}" + (f" ({base / ms[k]:.2f}x)" if base and k != "fp32" else "") for k in kinds
+        ]
+        lines.append(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
