@@ -7,10 +7,14 @@ and the table reports medians of wall time per call and their ratio.
 
 With --passes, also whole exact forward passes of the built-in model (30 layers): a
 verification of T tokens over a prefix of each context (its KV random: timing does not
-depend on the values), with either kernel.
+depend on the values), with either kernel. With --shared, exact passes of many requests
+over one prefix buffer (`SharedPrefixView`s), with the prefix attended once for all of them
+(one `prefix_id`) and per request (none): a verification of R x T tokens and a decode step
+of R x 1.
 
 Usage: python bench/bench_attention.py [--contexts 4096 8192] [--tokens 1 4 8 16 32]
-       [--repeats 15] [--threads N] [--passes] [--out bench/results/attention.json]
+       [--repeats 15] [--threads N] [--passes] [--shared] [--requests 16]
+       [--out bench/results/attention.json]
 """
 
 from __future__ import annotations
@@ -95,6 +99,39 @@ def bench_pass(runner, context: int, tokens: int, repeats: int) -> dict:
     }
 
 
+def bench_shared(runner, context: int, requests: int, tokens: int, repeats: int) -> dict:
+    """Median ms of one exact pass of `requests` x `tokens` new tokens over one shared
+    prefix of `context` tokens, stacked (one prefix_id) and per request, interleaved."""
+    from decoder.runner import SeqInput
+    from decoder.views import SharedPrefixView
+
+    buffer = _random_cache(runner, context, tokens + 16)
+    samples: dict[str, list[float]] = {"per_request": [], "stacked": []}
+    for _ in range(repeats):
+        for name in samples:
+            prefix_id = object() if name == "stacked" else None
+            seqs = [
+                SeqInput.extend(
+                    SharedPrefixView(
+                        lambda i: buffer.layers[i], context, runner.new_cache(), prefix_id
+                    ),
+                    list(range(100 + r, 100 + r + tokens)),
+                    "all",
+                )
+                for r in range(requests)
+            ]
+            samples[name].append(_once(lambda s=seqs: runner.forward(s)))
+    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    return {
+        "context": context,
+        "requests": requests,
+        "tokens": tokens,
+        "per_request_ms": round(ms["per_request"], 1),
+        "stacked_ms": round(ms["stacked"], 1),
+        "speedup": round(ms["per_request"] / ms["stacked"], 2),
+    }
+
+
 def _random_cache(runner, context: int, extra: int):
     cache = runner.new_cache(capacity=context + extra)
     g = torch.Generator().manual_seed(context)
@@ -112,6 +149,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=Path("bench/results/attention.json"))
     p.add_argument("--passes", action="store_true", help="also time whole exact passes")
+    p.add_argument("--shared", action="store_true", help="also time shared-prefix passes")
+    p.add_argument("--requests", type=int, default=16, help="requests over the shared prefix")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,6 +174,7 @@ def main() -> None:
             f"{r['speedup']}x |"
         )
     passes = _passes(args) if args.passes else []
+    shared = _shared(args) if args.shared else []
     meta = {
         "kernel": kernel,
         "threads": torch.get_num_threads(),
@@ -143,17 +183,49 @@ def main() -> None:
         "repeats": args.repeats,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "passes": passes}, indent=2))
+    args.out.write_text(
+        json.dumps({"meta": meta, "rows": rows, "passes": passes, "shared": shared}, indent=2)
+    )
     print(f"\nwrote {args.out}")
 
 
-def _passes(args) -> list[dict]:
+def _runner():
     from decoder.loader import load_model
     from decoder.runner import ModelRunner
 
     model = load_model()
     runner = ModelRunner(model.config, model.weights)
     runner.ensure_exact_supported()
+    return runner
+
+
+def _shared(args) -> list[dict]:
+    runner = _runner()
+    rows = []
+    for context in args.contexts:
+        for tokens in (4, 1):
+            row = bench_shared(runner, context, args.requests, tokens, max(3, args.repeats // 3))
+            rows.append(row)
+            print(
+                f"{args.requests} requests x {tokens} tokens over one {context}-token prefix: "
+                f"per request {row['per_request_ms']} ms, stacked {row['stacked_ms']} ms "
+                f"({row['speedup']}x)",
+                flush=True,
+            )
+    print(
+        "\n| prefix | requests x tokens | per request ms | stacked ms | speedup |"
+        "\n|---|---|---|---|---|"
+    )
+    for r in rows:
+        print(
+            f"| {r['context']} | {r['requests']} x {r['tokens']} | {r['per_request_ms']} | "
+            f"{r['stacked_ms']} | {r['speedup']}x |"
+        )
+    return rows
+
+
+def _passes(args) -> list[dict]:
+    runner = _runner()
     rows = []
     for context in args.contexts:
         for tokens in args.tokens:

@@ -26,9 +26,11 @@ from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
 from decoder.errors import ExactModeUnsupported
 from decoder.kernels import (
     AttentionPlan,
+    AttentionState,
     Linear,
     RopeTable,
     apply_rope,
+    attend_chunks,
     exact_attention,
     fast_attention,
     fused_kernel,
@@ -198,12 +200,16 @@ class ModelRunner:
         if exact:
             q = q * self.scale
         out = torch.zeros_like(q)
-        for seq, (start, end), plan in zip(seqs, spans, plans, strict=True):
+        stacks = _prefix_stacks(seqs, spans, plans, self.rc.key_chunk)
+        for i, (seq, (start, end), plan) in enumerate(zip(seqs, spans, plans, strict=True)):
             layer_kv = seq.cache.layer(index)
             layer_kv.append(
                 k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), seq.positions
             )
-            out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, plan)
+            if i in stacks:
+                out[start:end] = stacks[i].attend(i, layer_kv, q)
+            else:
+                out[start:end] = self._attend(layer_kv, q[start:end], seq.positions, plan)
             seq.cache.release(index)
         return w.wo(out.view(out.shape[0], -1))
 
@@ -265,6 +271,97 @@ class ModelRunner:
             spans.append((offset, offset + t))
             offset += t
         return spans
+
+
+class _PrefixStack:
+    """Sequences of one exact forward over one shared prefix buffer, attending together.
+
+    Their caches are `SharedPrefixView`s with the same `prefix_id`: slots [0, prefix_length)
+    of the buffer each borrows hold the same prefix. The prefix's full key chunks (those
+    wholly below prefix_length, never touched by a borrower's tail) are attended once for
+    every member's query rows stacked into one fused-kernel call; each member then continues
+    from its rows' carried online-softmax state over its own remaining chunks (the prefix's
+    partial last chunk, shared with its tail, and the tail). A row's result is bitwise what
+    it is alone: the kernel computes every row on its own, and a row's chunks walked over two
+    calls give the one-call result. One instance serves one layer.
+    """
+
+    def __init__(self, members: list[int], full_chunks: int, key_chunk: int, spans, plans):
+        self.members = members
+        self.full_chunks = full_chunks
+        self.key_chunk = key_chunk
+        self.spans = spans
+        self.plans = plans
+        self.offsets: dict[int, int] = {}
+        offset = 0
+        for i in members:
+            self.offsets[i] = offset
+            offset += spans[i][1] - spans[i][0]
+        self.state: AttentionState | None = None
+
+    def attend(self, i: int, layer_kv, q: torch.Tensor) -> torch.Tensor:
+        """Member i's attention output [t, H, D]; `layer_kv` is the buffer it borrowed (with
+        its new tokens appended), q all rows of the forward (scaled, contiguous)."""
+        if self.state is None:
+            self.state = self._prefix_state(layer_kv, q)
+        start, end = self.spans[i]
+        offset = self.offsets[i]
+        state = self.state.tokens(offset, offset + end - start)
+        attend_chunks(
+            q[start:end],
+            layer_kv.k,
+            layer_kv.v,
+            self.plans[i].positions,
+            state,
+            key_chunk=self.key_chunk,
+            first_chunk=self.full_chunks,
+            finish=True,
+        )
+        return state.acc
+
+    def _prefix_state(self, layer_kv, q: torch.Tensor) -> AttentionState:
+        """Every member's rows after the prefix's full chunks, in one kernel call."""
+        rows = torch.cat([q[self.spans[i][0] : self.spans[i][1]] for i in self.members])
+        positions = torch.cat([self.plans[i].positions for i in self.members])
+        state = AttentionState.start(*rows.shape)
+        attend_chunks(
+            rows,
+            layer_kv.k,
+            layer_kv.v,
+            positions,
+            state,
+            key_chunk=self.key_chunk,
+            stop_chunk=self.full_chunks,
+        )
+        return state
+
+
+def _prefix_stacks(seqs, spans, plans, key_chunk: int) -> dict[int, _PrefixStack]:
+    """The stack of each sequence that shares its prefix buffer with another one in this
+    exact forward (fused kernel only), by sequence index."""
+    if not plans or plans[0] is None or not plans[0].fused:
+        return {}
+    groups: list[tuple[object, int, list[int]]] = []  # (prefix_id, prefix_length, members)
+    for i, seq in enumerate(seqs):
+        prefix_id = getattr(seq.cache, "prefix_id", None)
+        length = getattr(seq.cache, "prefix_length", 0)
+        if prefix_id is None or length < key_chunk:
+            continue
+        group = next((g for g in groups if _same(g[0], prefix_id) and g[1] == length), None)
+        if group is None:
+            groups.append((prefix_id, length, [i]))
+        else:
+            group[2].append(i)
+    stacks: dict[int, _PrefixStack] = {}
+    for _, length, members in groups:
+        if len(members) > 1:
+            stack = _PrefixStack(members, length // key_chunk, key_chunk, spans, plans)
+            stacks.update(dict.fromkeys(members, stack))
+    return stacks
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b or bool(a == b)
 
 
 class _PackedLayer:

@@ -3,8 +3,9 @@
 Exact mode leans on properties of the platform's kernels (see `decoder.kernels`) that no
 API promises. Before the first exact forward, the runner pushes the same tokens through
 the model's own shapes grouped in several ways: one prefill, a chunk that crosses a key
-chunk boundary, single-token steps, and a batch beside another sequence. Every token's
-logits and KV must agree bit for bit; otherwise exact mode is refused.
+chunk boundary, single-token steps, a batch beside another sequence, and two requests over
+one shared prefix buffer together and alone. Every token's logits and KV must agree bit for
+bit; otherwise exact mode is refused.
 
 The check runs on the model's first two layers (same kernels and shapes, a fraction of the
 time) and is cached per process for each platform, shape and thread count.
@@ -85,6 +86,39 @@ def _run_check(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> 
                     b_kv.transpose(0, 1),
                     f"layer {index} {name.upper()} of a prefill and of chunks",
                 )
+    return _check_shared_prefix(runner, whole, rc.key_chunk + 10, other)
+
+
+def _check_shared_prefix(runner, cache, prefix_length: int, tokens: torch.Tensor) -> str | None:
+    """Two requests over one prefix buffer in one forward (shared-prefix attention) give
+    the logits each gives alone. The prefix is the first `prefix_length` tokens of `cache`
+    (one full key chunk and part of the next)."""
+    from decoder.runner import SeqInput
+    from decoder.views import SharedPrefixView
+
+    buffer = cache.clone(extra_capacity=64)
+    buffer.truncate(prefix_length)
+    pieces = [tokens[:5], tokens[5:8]]
+
+    def views(prefix_id: object | None) -> list[SharedPrefixView]:
+        return [
+            SharedPrefixView(
+                lambda i: buffer.layers[i], prefix_length, runner.new_cache(), prefix_id
+            )
+            for _ in pieces
+        ]
+
+    together = runner.forward(
+        [SeqInput.extend(v, x, "all") for v, x in zip(views(object()), pieces, strict=True)]
+    )
+    for i, (view, x) in enumerate(zip(views(None), pieces, strict=True)):
+        alone = runner.forward([SeqInput.extend(view, x, "all")])[0]
+        if not torch.equal(together[i], alone):
+            return _describe(
+                together[i],
+                alone,
+                f"logits of request {i} over a shared prefix, alone and together",
+            )
     return None
 
 

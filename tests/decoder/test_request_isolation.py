@@ -47,7 +47,9 @@ def references(builtin_model, builtin_runner, doc, suffixes):
 
 
 def engine(runner, model, **config) -> Engine:
+    """An engine whose vericache passes pull (failures of shared passes are what is tested)."""
     config.setdefault("horizon", 4)
+    config.setdefault("resident", False)
     return Engine(runner, EngineConfig(**config), model.eos_token_ids)
 
 
