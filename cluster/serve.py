@@ -102,6 +102,8 @@ class ServeConfig:
     """Default compressor spec of the decoders."""
     ngram: int = 0
     """The decoders' default prompt-lookup guesses per forward (0: off)."""
+    resident_prefixes: bool = True
+    """Decoders keep prefixes' full KV resident while their KV budget has room."""
     decoder_threads: int | None = None
     """torch threads per decoder (None: the node's cores)."""
     detach: bool = False
@@ -152,6 +154,7 @@ class ServeConfig:
             kv_budget=self.kv_budget,
             default_compressor=self.compressor,
             ngram=self.ngram,
+            resident_prefixes=self.resident_prefixes,
             threads=self.decoder_threads,
             provenance_key=provenance_key,
             client=ClientConfig(tls=self.store_client_tls()),

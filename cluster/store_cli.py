@@ -107,6 +107,13 @@ def add_commands(sub) -> None:
         "that do not say (default: %(default)s, off)",
     )
     serve.add_argument(
+        "--no-resident-prefixes",
+        dest="resident_prefixes",
+        action="store_false",
+        help="decoders pull the full KV for every verification instead of keeping prefixes "
+        "in flight resident while their KV budget has room",
+    )
+    serve.add_argument(
         "--detach",
         action="store_true",
         help="with --address: leave the service running on the cluster and exit "
@@ -215,6 +222,7 @@ def run_serve(ns) -> int:
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
             ngram=ns.ngram,
+            resident_prefixes=ns.resident_prefixes,
             detach=ns.detach,
             tls=tls,
             tls_ca=tls_ca,

@@ -36,6 +36,10 @@ class DecoderConfig:
     ngram: int = 0
     """Prompt-lookup guesses per forward for requests that do not say (0: off; see
     `EngineConfig.ngram`)."""
+    resident_prefixes: bool = True
+    """vericache: keep the full KV of prefixes in flight here while the KV budget has room
+    (verified without pulling; given back when a request needs the bytes). False: every
+    verification pulls (see `EngineConfig.resident`)."""
     threads: int | None = None
     """torch CPU threads (None: torch's choice)."""
     max_new_tokens: int = 4096

@@ -359,6 +359,7 @@ class DecoderWorker:
                     compressor=compressor,
                     staging_depth=self.config.staging_depth,
                     ngram=ngram,
+                    resident=self.config.resident_prefixes,
                 )
                 engine = Engine(self.runner, config, self.model.eos_token_ids, self.budget)
                 self._engines[key] = engine

@@ -25,10 +25,18 @@ def deployed(redis_url: str, home: Path, **overrides):
 
 
 @pytest.fixture(scope="module")
-def service(redis_server, tmp_path_factory):
-    """A module's deployment: two shards (512 MiB memory each, no disk) and one decoder."""
+def service(redis_server, tmp_path_factory, request):
+    """A module's deployment: two shards (512 MiB memory each, no disk) and one decoder. A
+    module sets `SERVICE = {...}` for other ServeConfig fields."""
     home = tmp_path_factory.mktemp("vericache-home")
+    overrides = getattr(request.module, "SERVICE", {})
     with deployed(
-        redis_server.url, home, shards=2, memory_bytes=512 * MiB, disk_bytes=0, decoders=1
+        redis_server.url,
+        home,
+        shards=2,
+        memory_bytes=512 * MiB,
+        disk_bytes=0,
+        decoders=1,
+        **overrides,
     ) as deployment:
         yield deployment

@@ -21,6 +21,9 @@ from prefix_store.client import StoreClient
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
 
 NEW = 24
+SERVICE = {"resident_prefixes": False}
+"""Every verification pulls from the shards (what these tests exercise: pulls, failover,
+recompute); resident prefixes are tested in tests/decoder (test_engine, test_store_source)."""
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
 
 
