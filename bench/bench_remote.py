@@ -117,7 +117,8 @@ def main() -> int:
     with Deployment(serve) as deployment:
         stores = tuple(deployment.endpoints[i] for i in sorted(deployment.endpoints))
         token = Metadata(deployment.redis_url).add_tenant("bench", 0)
-        publisher = _server(stores, None, model)
+        key = deployment.signer.private_bytes
+        publisher = _server(stores, None, model, key)
         try:
             workloads = {}
             if "shared" in args.workloads:
@@ -143,7 +144,7 @@ def main() -> int:
             for budget, label in budgets:
                 reference = None
                 for mode in args.modes:
-                    row = _measure(stores, token, model, prompts, mode, budget, args)
+                    row = _measure(stores, token, model, prompts, mode, budget, args, key)
                     row.update(workload=name, budget=budget, budget_label=label)
                     if mode == "full":
                         reference = row
@@ -168,8 +169,12 @@ def write_results(args, model, **results) -> None:
     print(f"\nwrote {args.out}")
 
 
-def _server(stores, budget, model) -> DecoderServer:
-    config = DecoderConfig(store_endpoints=stores, kv_budget=budget, worker_id="bench")
+def _server(stores, budget, model, key: bytes | None = None) -> DecoderServer:
+    """A decoder on the store; `key`: the deployment's provenance key, without which the
+    shards refuse what it publishes (and it trusts only KV it published itself)."""
+    config = DecoderConfig(
+        store_endpoints=stores, kv_budget=budget, worker_id="bench", provenance_key=key
+    )
     server = DecoderServer(config, worker=None if model is None else _worker(config, model))
     server.start()
     return server
@@ -204,10 +209,10 @@ def _full_request_bytes(model, prompt_tokens: int, args) -> int:
     return (resident + own) * per_token
 
 
-def _measure(stores, token, model, prompts, mode, budget, args) -> dict:
+def _measure(stores, token, model, prompts, mode, budget, args, key=None) -> dict:
     runs = []
     for _ in range(args.repeats):
-        server = _server(stores, budget, model)
+        server = _server(stores, budget, model, key)
         try:
             runs.append(_batch(server, token, prompts, mode, args))
         finally:

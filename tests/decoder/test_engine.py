@@ -94,6 +94,29 @@ def _run(runner, model, workload, config, sampling):
     return results
 
 
+def _every_case(runner, model, workload, config, horizons):
+    """Every prompt at each horizon, greedy and seeded, decoded together in one engine; each
+    result checked against its own full-KV reference. Returns (cases, results)."""
+    split, refs = workload
+    cases = [
+        (sampling, horizon, i)
+        for sampling in (SamplingParams(), SAMPLING)
+        for horizon in horizons
+        for i in range(len(split))
+    ]
+    requests = [
+        Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
+        for sampling, horizon, i in cases
+    ]
+    results = Engine(runner, config, model.eos_token_ids).run(requests)
+    for prefix, _ in split:
+        prefix.artifacts.clear()
+    for (sampling, horizon, i), result in zip(cases, results, strict=True):
+        kind = "greedy" if sampling.greedy else "seeded"
+        assert result.tokens == refs[sampling][i], f"prompt {i}, horizon {horizon}, {kind}"
+    return cases, results
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -105,26 +128,10 @@ def test_vericache_is_token_for_token_full_kv(spec, builtin_model, builtin_runne
     """Every prompt, at horizons 1, 8, 32 and auto, greedy and seeded: 64 requests decoded
     together in one engine (each with its own horizon and sampler), each identical to its
     own full-KV reference."""
-    split, refs = workload
-    cases = [
-        (sampling, horizon, i)
-        for sampling in (SamplingParams(), SAMPLING)
-        for horizon in HORIZONS
-        for i in range(len(split))
-    ]
-    requests = [
-        Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
-        for sampling, horizon, i in cases
-    ]
     # resident=False: every pass pulls (the budget would otherwise keep all prefixes here)
     config = EngineConfig(mode="vericache", compressor=spec, resident=False)
-    engine = Engine(builtin_runner, config, builtin_model.eos_token_ids)
-    results = engine.run(requests)
-    for prefix, _ in split:
-        prefix.artifacts.clear()
-    for (sampling, horizon, i), result in zip(cases, results, strict=True):
-        kind = "greedy" if sampling.greedy else "seeded"
-        assert result.tokens == refs[sampling][i], f"prompt {i}, horizon {horizon}, {kind}"
+    cases, results = _every_case(builtin_runner, builtin_model, workload, config, HORIZONS)
+    for (_, horizon, _), result in zip(cases, results, strict=True):
         stats = result.stats
         assert stats["verifications"] >= 1 and stats["accepted"] <= stats["drafted"]
         if horizon is not None:
@@ -155,24 +162,9 @@ def test_vericache_with_ngram_proposals_is_token_for_token_full_kv(
     """Prompt-lookup guesses checked by the compressed drafter, several per draft forward,
     then verified: every prompt at horizons 8 and auto, greedy and seeded, identical to
     full-KV decoding, with guesses proposed and taken, never past the horizon."""
-    split, refs = workload
-    cases = [
-        (sampling, horizon, i)
-        for sampling in (SamplingParams(), SAMPLING)
-        for horizon in (8, None)
-        for i in range(len(split))
-    ]
-    requests = [
-        Request(split[i][0], split[i][1], NEW_TOKENS, sampling, horizon)
-        for sampling, horizon, i in cases
-    ]
     config = EngineConfig(mode="vericache", compressor=spec, ngram=8, resident=False)
-    results = Engine(builtin_runner, config, builtin_model.eos_token_ids).run(requests)
-    for prefix, _ in split:
-        prefix.artifacts.clear()
-    for (sampling, horizon, i), result in zip(cases, results, strict=True):
-        kind = "greedy" if sampling.greedy else "seeded"
-        assert result.tokens == refs[sampling][i], f"prompt {i}, horizon {horizon}, {kind}"
+    cases, results = _every_case(builtin_runner, builtin_model, workload, config, (8, None))
+    for (_, horizon, _), result in zip(cases, results, strict=True):
         stats = result.stats
         if horizon is not None:
             assert stats["drafted"] <= horizon * stats["verifications"]
