@@ -267,7 +267,7 @@ class DecoderWorker:
 
         def work() -> dpb.PublishResponse:
             t0 = time.perf_counter()
-            need = len(tokens) * self._token_bytes()
+            need = len(tokens) * self.model.config.kv_bytes_per_token
             self.budget.reserve(need)  # transient: the prefill's full KV
             try:
                 prefix = prefill_prefix(self.runner, tokens, observe)
@@ -476,7 +476,7 @@ class DecoderWorker:
         over the rest of the prefix's full KV (what the prefill observed)."""
         p = prefix.source.length
         w = min(window, p)
-        need = p * self._token_bytes()
+        need = p * self.model.config.kv_bytes_per_token
         self.budget.reserve(need)  # transient
         try:
             cache = self.runner.new_cache(capacity=p)
@@ -491,7 +491,3 @@ class DecoderWorker:
             return seq.observed
         finally:
             self.budget.release(need)
-
-    def _token_bytes(self) -> int:
-        c = self.model.config
-        return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
