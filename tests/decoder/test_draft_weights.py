@@ -6,20 +6,12 @@ import pytest
 import torch
 
 import decoder.runner as runner_module
-from decoder.config import ModelConfig, RunnerConfig
+from decoder.config import RunnerConfig
 from decoder.runner import ModelRunner, SeqInput
 from decoder.weights import random_weights
+from tests.decoder.test_exactness import TINY_CONFIGS
 
-TINY = ModelConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    tie_word_embeddings=True,
-)
+TINY = TINY_CONFIGS["gqa-tied"]
 LOW_PRECISION = ("fp16", "int8", "bf16")
 
 
