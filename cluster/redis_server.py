@@ -100,12 +100,14 @@ class RedisServer:
         return self.directory / "redis.conf"
 
     def config_text(self) -> str:
-        """redis.conf: append-only persistence (no RDB snapshots), protected mode, password."""
+        """redis.conf: append-only persistence fsynced on every write (no RDB snapshots),
+        protected mode, password."""
         settings = [
             f"port {self.port}",
             f"bind {self.host}",
             "dir ./",  # the data directory: redis-server runs there
             "appendonly yes",
+            "appendfsync always",  # a tenant whose token was printed survives a host crash
             'save ""',
             "protected-mode yes",
             "daemonize no",

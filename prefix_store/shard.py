@@ -1,17 +1,20 @@
 """A shard: the chunks and artifacts placed on it, in a memory tier spilling to disk.
 
 Thread-safe: index changes happen under one lock; bytes are copied out of leased blobs
-without it. Every read checks the blob's CRC-32C; a blob that fails is dropped and the read
-fails with `DataLoss` (a later lookup reports a miss). Nothing here knows about tenants'
-tokens or gRPC: callers pass resolved namespaces and owners.
+without it, and disk writes and removals happen after the change that staged them, also
+without it (`Shard._mutating`). Every read checks the blob's CRC-32C; a blob that fails is
+dropped and the read fails with `DataLoss` (a later lookup reports a miss). Nothing here
+knows about tenants' tokens or gRPC: callers pass resolved namespaces and owners.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from prefix_store.provenance import (
     token_digests,
 )
 from prefix_store.tiers import DiskTier, MemoryTier
+from prefix_store.tiers.disk import DiskIO, Write
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +157,8 @@ class ShardStats:
     fetched_bytes: int = 0
     evictions: int = 0
     corrupt: int = 0
+    lost_spills: int = 0
+    """Blobs evicted from memory whose disk write failed (dropped, like an eviction)."""
     usage: Counter = field(default_factory=Counter)
 
 
@@ -185,8 +191,66 @@ class Shard:
         self.disk = DiskTier(disk_dir, config.disk_bytes, self._is_leased)
         self.stats = ShardStats()
         self._partials: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
+        self._depth = 0  # nesting of _mutating in the thread that holds the lock
         for blob_id in self.disk.ids():
             self._admitted(self.disk.get(blob_id))
+
+    # ---- changes and their disk I/O ----------------------------------------------------
+
+    @contextmanager
+    def _mutating(self) -> Iterator[list[Write]]:
+        """The shard's lock, for a change of what it holds. The disk writes and removals
+        the change staged are done when the outermost such block ends, after the lock is
+        released, by this thread before it goes on. Yields a list that then holds the
+        writes that failed (their blobs forgotten, their usage released)."""
+        failed: list[Write] = []
+        with self._lock:
+            self._depth += 1
+            try:
+                yield failed
+            finally:
+                self._depth -= 1
+                io = self.disk.take_io() if self._depth == 0 else DiskIO()
+        failed.extend(self._do_disk_io(io))
+
+    def _do_disk_io(self, io: DiskIO) -> list[Write]:
+        failed = []
+        while io:
+            self.disk.perform(io)
+            with self._lock:
+                for write in io.writes:
+                    if self.disk.settle(write):
+                        failed.append(write)
+                        if write.blob.id not in self.memory:
+                            self._gone(write.blob)
+                io = self.disk.take_io()
+        return failed
+
+    def _settle_change(self, failed: list[Write], new: list[Blob]) -> None:
+        """After a change: blobs it evicted whose disk write failed are lost like any
+        evicted blob (counted); if a blob it stored itself could not be written, the change
+        is undone as a whole (its other new blobs dropped unless another put claims them)
+        and fails: StoreFull when the disk is full, else Unavailable."""
+        new_ids = {b.id for b in new}
+        own = [w for w in failed if w.blob.id in new_ids]
+        with self._mutating():
+            self.stats.lost_spills += len(failed) - len(own)
+            if not own:
+                return
+            lost_ids = {w.blob.id for w in own}
+            for blob in new:
+                self._claims[blob.id] -= 1
+                if self._claims[blob.id] <= 0:
+                    del self._claims[blob.id]
+                    if blob.id not in lost_ids and self._find(blob.id) is not None:
+                        self._drop(blob.id)
+        error = own[0].error  # its message names no path: callers are tenants
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(f"shard {self.config.shard_id}: the disk tier is full")
+        raise Unavailable(
+            f"shard {self.config.shard_id}: writing to the disk tier failed "
+            f"({error.strerror or type(error).__name__}); nothing was stored, retry"
+        )
 
     # ---- bookkeeping -------------------------------------------------------------------
 
@@ -354,7 +418,7 @@ class Shard:
         """Make complete, checked blobs visible, all or none. A signed blob replaces an
         unsigned one of the same key (an unreferenced one: a leased one is UNAVAILABLE)."""
         allowance = quota(owner)
-        with self._lock:
+        with self._mutating() as failed:
             self._refuse_doomed(blobs)
             stale = [self._find(b.id) for b in blobs if self._replaces(b)]
             self._refuse_leased([old.id for old in stale])
@@ -376,6 +440,7 @@ class Shard:
                 self._place(blob)
             for blob in blobs:
                 self._claims[blob.id] += 1
+        self._settle_change(failed, new)
         return Committed([b.id[2] for b in blobs], new_bytes, [b.id[2] for b in new])
 
     def _replaces(self, blob: Blob) -> bool:
@@ -467,7 +532,7 @@ class Shard:
             return blobs
 
     def _release(self, blob_ids: list[BlobId]) -> None:
-        with self._lock:
+        with self._mutating():
             for blob_id in blob_ids:
                 self._leases[blob_id] -= 1
                 if self._leases[blob_id] <= 0:
@@ -495,7 +560,7 @@ class Shard:
             blob.id[:3],
             where,
         )
-        with self._lock:
+        with self._mutating():
             self.stats.corrupt += 1
             self._doomed.add(blob.id)
             if not self._is_leased(blob.id):
@@ -535,7 +600,7 @@ class Shard:
             meta={"digest": digest.hex(), "signature": signature.hex(), "signed": signed},
         )
         allowance = quota(owner)
-        with self._lock:
+        with self._mutating() as failed:
             self._refuse_doomed([blob])
             old = self._find(blob.id)
             if old is not None and is_signed(old) and not signed:
@@ -552,7 +617,8 @@ class Shard:
             if old is not None:
                 self._drop(blob.id)
             self._place(blob)
-            return blob.nbytes
+        self._settle_change(failed, [blob])
+        return blob.nbytes
 
     def fetch_artifact(
         self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
@@ -611,7 +677,7 @@ class Shard:
         ids = validate_tokens(token_ids)
         keys = set(chunk_keys(ids, layout, namespace.salt))
         chunks = artifacts = nbytes = 0
-        with self._lock:
+        with self._mutating():
             for blob_id in self.memory.ids() + self.disk.ids():
                 blob = self._find(blob_id)
                 if blob is None or blob.namespace != namespace.id or blob.id[2] not in keys:
@@ -630,7 +696,7 @@ class Shard:
         keeps it), and when `may` allows. Keys of absent chunks change nothing (no state is
         kept for them). Returns (chunks dropped, 0, bytes)."""
         chunks = nbytes = 0
-        with self._lock:
+        with self._mutating():
             for key in set(keys):
                 blob_id = chunk_id(namespace, key)
                 blob = self._find(blob_id)
@@ -664,7 +730,7 @@ class Shard:
     def flush(self) -> int:
         """Write memory-only blobs to the disk tier (graceful shutdown). Returns how many."""
         written = 0
-        with self._lock:
+        with self._mutating() as failed:
             if not self.disk.capacity:
                 return 0
             for blob_id in self.memory.ids():
@@ -674,7 +740,7 @@ class Shard:
                 self._disk_room(blob.nbytes)
                 self.disk.write(blob)
                 written += 1
-        return written
+        return written - len(failed)
 
 
 class FetchStream:

@@ -49,6 +49,7 @@ def test_the_password_is_in_a_0600_config_file_not_on_the_command_line(server):
     client = redis.Redis.from_url(server.url)
     assert client.config_get("protected-mode") == {"protected-mode": "yes"}
     assert client.config_get("appendonly") == {"appendonly": "yes"}  # persistence kept
+    assert client.config_get("appendfsync") == {"appendfsync": "always"}  # before replying
 
 
 def test_restart_keeps_the_password_and_the_data(server):

@@ -20,7 +20,7 @@ from prefix_store.shard import Allowance, ChunkRef, Shard
 from tests.prefix_store.conftest import LAYOUT
 
 SPACE = Namespace("tenant:a", "", b"salt-a")
-CHUNK = LAYOUT.chunk_bytes(LAYOUT.chunk_tokens)  # 2 KiB per 16-token chunk here
+CHUNK = LAYOUT.chunk_bytes(LAYOUT.chunk_tokens)  # 8 KiB per 16-token chunk here
 
 
 def no_quota(owner):
