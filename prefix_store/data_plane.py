@@ -10,11 +10,15 @@ Puts go the same way in the other direction (`OpenPut`): the client sends one fr
 layer from its tensors, then a commit frame b"VCCM" carrying each chunk's CRC-32C (u32
 each); the shard answers b"VCOK" with a serialised PutResponse, or b"VCER".
 
-One frame per layer: 16 bytes header (magic b"VCL1", u32 layer, u32 chunks, u32 n), then n
+A fetched layer is one frame: 16 bytes header (magic b"VCL2", u32 layer, u32 chunks, u32 n),
+then each chunk's stored CRC-32C of that layer's segment (u32 each, request order), then n
 bytes ordered as the client's tensors are: K then V; per KV head; per chunk (request
 order) that head's rows [tokens, head_dim]. So a run of consecutive chunks is one
-contiguous region per head on both sides. Every segment of a layer passes its checksum
-before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
+contiguous region per head on both sides. The client checks every chunk's CRC over its
+bytes in stored order (K heads then V heads) before it uses the layer, so corruption in
+transit is caught end to end. Put frames are the same without the CRCs (magic b"VCL1": the
+commit carries each chunk's checksum). Every segment of a layer passes its checksum
+on the shard before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
 "STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
 connection closes.
 
@@ -41,12 +45,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prefix_store import faults
 from prefix_store.errors import StoreFull
 from prefix_store.status import code_of
 
 log = logging.getLogger(__name__)
 HEADER = struct.Struct("<4sIII")
 OK = b"VCL1"
+CHECKED = b"VCL2"
 COMMIT = b"VCCM"
 DONE = b"VCOK"
 IOV_BATCH = 512
@@ -126,12 +132,16 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def send_frames(sock: socket.socket, frames: Iterator[tuple[int, int, list]]) -> None:
-    """Send (layer, chunks, buffers in wire order) frames."""
-    for layer, chunks, buffers in frames:
+def send_frames(sock: socket.socket, frames: Iterator[tuple[int, list, list]]) -> None:
+    """Send (layer, each chunk's stored CRC-32C, buffers in wire order) fetch frames."""
+    for layer, crcs, buffers in frames:
         size = sum(b.nbytes for b in buffers)
-        sock.sendall(HEADER.pack(OK, layer, chunks, size))
-        send_buffers(sock, buffers)
+        sock.sendall(HEADER.pack(CHECKED, layer, len(crcs), size) + pack_crcs(crcs))
+        send_buffers(sock, faults.TRANSIT.tamper(buffers))
+
+
+def pack_crcs(crcs) -> bytes:
+    return struct.pack(f"<{len(crcs)}I", *crcs)
 
 
 def error_frame(code: str, message: str) -> bytes:

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store import wire
+from prefix_store import faults, wire
 from prefix_store.auth import Authenticator, QuotaGuard, bearer_token, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
@@ -271,7 +271,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                         raise InvalidArgument("put: the first message must be a header")
                     session = self._begin_put(parse(pb.PutHeader, value), context)
                 elif part == "segments":
-                    for layer, chunk, data in value:
+                    for layer, chunk, data, _ in value:
                         session.add(layer, chunk, data)
                 elif part == "commit":
                     done = session.commit(list(parse(pb.PutCommit, value).crc32c))
@@ -315,8 +315,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         tokens = [ref.tokens for ref in refs]
         row_bytes = layout.head_dim * layout.itemsize
         frames = (
-            (layer, len(refs), head_major(segments, tokens, layout.num_kv_heads, row_bytes))
-            for layer, segments in stream.layers()
+            (layer, crcs, head_major(segments, tokens, layout.num_kv_heads, row_bytes))
+            for layer, segments, crcs in stream.layers()
         )
         try:
             ticket = self.data_plane.issue(
@@ -366,7 +366,9 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         message_bytes = self._message_bytes(request.max_message_bytes)
         for batch in self.shard.fetch(space, layout, refs, start, end, message_bytes):
             # Serialised here (see `wire`): one copy of the stored bytes into the message.
-            yield wire.fetch_response([(lyr, c, (d,)) for lyr, c, d in batch])
+            yield wire.fetch_response(
+                [(lyr, c, faults.TRANSIT.tamper([d]), crc) for lyr, c, d, crc in batch]
+            )
 
     def _message_bytes(self, requested: int) -> int:
         if requested == 0:

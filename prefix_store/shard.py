@@ -497,9 +497,10 @@ class Shard:
         layer_start: int,
         layer_end: int,
         message_bytes: int,
-    ) -> Iterator[list[tuple[int, int, bytes]]]:
-        """Batches of (layer, chunk index, K+V bytes): every chunk of a layer before the next
-        layer, batches of about `message_bytes`. The chunks are leased until it ends."""
+    ) -> Iterator[list[tuple[int, int, bytes, int]]]:
+        """Batches of (layer, chunk index, K+V bytes, their stored CRC-32C): every chunk of a
+        layer before the next layer, batches of about `message_bytes`. The chunks are
+        leased until it ends."""
         stream = self.open_fetch(namespace, layout, refs, layer_start, layer_end)
         try:
             batch, size = [], 0
@@ -753,18 +754,19 @@ class FetchStream:
         self._closed = False
         self.total_bytes = sum(b.segment_bytes for b in blobs) * (layer_end - layer_start)
 
-    def layers(self) -> Iterator[tuple[int, list[bytes | memoryview]]]:
-        """(layer, each chunk's segment): a layer is read and checked whole before it is
-        handed out."""
+    def layers(self) -> Iterator[tuple[int, list[bytes | memoryview], list[int]]]:
+        """(layer, each chunk's segment, each one's stored CRC-32C): a layer is read and
+        checked whole before it is handed out; the CRCs go with the bytes to the client,
+        which checks them again on arrival."""
         for layer in range(self.layer_start, self.layer_end):
             segments = [self.shard._read_segment(blob, layer) for blob in self.blobs]
             self.shard.stats.fetched_bytes += sum(len(s) for s in segments)
-            yield layer, segments
+            yield layer, segments, [blob.crcs[layer] for blob in self.blobs]
 
-    def segments(self) -> Iterator[tuple[int, int, bytes | memoryview]]:
-        for layer, segments in self.layers():
-            for index, data in enumerate(segments):
-                yield layer, index, data
+    def segments(self) -> Iterator[tuple[int, int, bytes | memoryview, int]]:
+        for layer, segments, crcs in self.layers():
+            for index, (data, crc) in enumerate(zip(segments, crcs, strict=True)):
+                yield layer, index, data, crc
 
     def close(self) -> None:
         if not self._closed:

@@ -13,10 +13,11 @@ from collections.abc import Iterator, Sequence
 
 from prefix_store.errors import InvalidArgument
 
-# (field number << 3) | wire type; wire type 0 = varint, 2 = length-delimited.
+# (field number << 3) | wire type; wire type 0 = varint, 2 = length-delimited, 5 = 32-bit.
 SEGMENT_LAYER = 0x08
 SEGMENT_CHUNK = 0x10
 SEGMENT_DATA = 0x1A
+SEGMENT_CRC = 0x25
 REPEATED_SEGMENT = 0x0A  # FetchResponse.segments and SegmentBatch.segments (field 1)
 PUT_HEADER = 0x0A
 PUT_SEGMENTS = 0x12
@@ -48,20 +49,23 @@ def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_segments(segments: Sequence[tuple[int, int, Sequence]]) -> list:
+def encode_segments(segments: Sequence[tuple]) -> list:
     """Parts whose concatenation is the repeated `segments` field: for each
-    (layer, chunk, buffers) one Segment whose data is the buffers back to back."""
+    (layer, chunk, buffers[, crc32c]) one Segment whose data is the buffers back to back,
+    carrying the CRC-32C when one is given (fetched segments: the stored checksum)."""
     parts: list = []
-    for layer, chunk, buffers in segments:
+    for layer, chunk, buffers, *crc in segments:
         size = sum(memoryview(b).nbytes for b in buffers)
         head = bytes([SEGMENT_LAYER]) + varint(layer) + bytes([SEGMENT_CHUNK]) + varint(chunk)
+        if crc and crc[0] is not None:
+            head += bytes([SEGMENT_CRC]) + crc[0].to_bytes(4, "little")
         head += bytes([SEGMENT_DATA]) + varint(size)
         parts.append(bytes([REPEATED_SEGMENT]) + varint(len(head) + size) + head)
         parts.extend(buffers)
     return parts
 
 
-def fetch_response(segments: Sequence[tuple[int, int, Sequence]]) -> bytes:
+def fetch_response(segments: Sequence[tuple]) -> bytes:
     """A serialised FetchResponse."""
     return b"".join(encode_segments(segments))
 
@@ -97,14 +101,16 @@ def fields(
         yield number, kind, value
 
 
-def decode_segments(buf: memoryview) -> list[tuple[int, int, memoryview]]:
-    """The (layer, chunk, data) of a FetchResponse or SegmentBatch, data as views of buf."""
+def decode_segments(buf: memoryview) -> list[tuple[int, int, memoryview, int | None]]:
+    """The (layer, chunk, data, crc32c or None) of a FetchResponse or SegmentBatch, data as
+    views of buf."""
     out = []
     for number, kind, value in fields(buf):
         if number != 1 or kind != 2:
             continue
         layer = chunk = 0
         data = memoryview(b"")
+        crc = None
         for n, k, v in fields(value):
             if n == 1 and k == 0:
                 layer = v
@@ -112,7 +118,9 @@ def decode_segments(buf: memoryview) -> list[tuple[int, int, memoryview]]:
                 chunk = v
             elif n == 3 and k == 2:
                 data = v
-        out.append((layer, chunk, data))
+            elif n == 4 and k == 5:
+                crc = v
+        out.append((layer, chunk, data, crc))
     return out
 
 

@@ -15,7 +15,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import wire
 from prefix_store.blob import crc32c
-from prefix_store.errors import Aborted, InvalidArgument, NotFound, Unavailable
+from prefix_store.errors import Aborted, DataLoss, InvalidArgument, NotFound, Unavailable
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
 from prefix_store.provenance import (
@@ -312,6 +312,15 @@ def runs(chunks: Sequence[ChunkPlan]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+def corrupt_in_transit(chunk: ChunkPlan, layer: int) -> DataLoss:
+    """A fetched segment whose bytes differ from the checksum stored with them: the
+    client's failover reads the segment from a replica (or the prefix is a miss)."""
+    return DataLoss(
+        f"fetch: layer {layer} of chunk {chunk.key:016x} arrived corrupted "
+        "(CRC-32C mismatch in transit)"
+    )
+
+
 class Assembly:
     """Fetched segments written into caller-owned `k_out`/`v_out`, each
     [layers in range, kv_heads, >= prefix tokens, head_dim]; tracks complete layers.
@@ -352,12 +361,14 @@ class Assembly:
         layout = self.prefix.layout
         if self.stopped:
             raise Aborted("fetch: the transfer was cancelled or failed elsewhere")
-        for layer, index, data in wire.decode_segments(memoryview(raw)):
+        for layer, index, data, crc in wire.decode_segments(memoryview(raw)):
             if not (0 <= index < len(chunks) and self.layer_start <= layer < self.layer_end):
                 raise InvalidArgument(f"fetch: unexpected segment (layer {layer}, chunk {index})")
             chunk = chunks[index]
             if len(data) != layout.segment_bytes(chunk.tokens):
                 raise InvalidArgument(f"fetch: segment of {len(data)} bytes for chunk {index}")
+            if crc is None or crc32c(data) != crc:
+                raise corrupt_in_transit(chunk, layer)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read
                 both = torch.frombuffer(data, dtype=layout.torch_dtype)
@@ -378,6 +389,20 @@ class Assembly:
             for h in range(t.shape[1])
             for start, end in runs(chunks)
         ]
+
+    def check_layer(self, chunks: Sequence[ChunkPlan], layer: int, crcs: Sequence[int]) -> None:
+        """Check one received layer of `chunks` against each chunk's stored CRC-32C, over
+        its bytes in stored order (K heads, then V heads); DataLoss if any differs (the
+        layer is then not marked, and a replica's copy overwrites it)."""
+        row = layer - self.layer_start
+        for chunk, expected in zip(chunks, crcs, strict=True):
+            crc = 0
+            for t in (self.k_out, self.v_out):
+                for h in range(t.shape[1]):
+                    rows = t[row, h, chunk.start : chunk.start + chunk.tokens]
+                    crc = crc32c(memoryview(rows.view(torch.uint8).numpy()).cast("B"), crc)
+            if crc != expected:
+                raise corrupt_in_transit(chunk, layer)
 
     def mark_layer(self, chunks: Sequence[ChunkPlan], layer: int, nbytes: int) -> None:
         """Record that one layer of `chunks` has been written into the outputs."""

@@ -19,6 +19,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
 from prefix_store.data_plane import (
+    CHECKED,
     COMMIT,
     DONE,
     ERROR,
@@ -79,10 +80,11 @@ def receive(
     tls: ssl.SSLContext | None = None,
 ) -> None:
     """Redeem `ticket` (a `redemption`) at `address` and write layers [layer_from, end) of
-    `chunks` into the assembly. Socket failures raise Unavailable; an in-band error raises DataLoss
-    (corrupt on the shard) or NotFound. `track` receives an object whose `cancel()` cuts
-    the connection, so that nothing is written into the outputs after a cancel. `tls`: see
-    `connect`."""
+    `chunks` into the assembly, each layer checked against the CRC-32C stored with it.
+    Socket failures raise Unavailable; an in-band error raises DataLoss (corrupt on the
+    shard) or NotFound; bytes corrupted in transit raise DataLoss. `track` receives an
+    object whose `cancel()` cuts the connection, so that nothing is written into the
+    outputs after a cancel. `tls`: see `connect`."""
     layout = assembly.prefix.layout
     layers = assembly.layer_end - layer_from
     expected = sum(layout.segment_bytes(c.tokens) for c in chunks)
@@ -97,14 +99,17 @@ def receive(
                 magic, layer, count, size = read_frame_header(sock)
                 if magic == ERROR:
                     raise in_band_error(sock, size)
-                if (magic, layer, count, size) != (OK, layer_from + step, len(chunks), expected):
-                    want = (OK, layer_from + step, len(chunks), expected)
+                want = (CHECKED, layer_from + step, len(chunks), expected)
+                if (magic, layer, count, size) != want:
                     raise Unavailable(
                         f"data plane: frame {(magic, layer, count, size)} from {address}, "
                         f"expected {want}"
                     )
+                crcs = bytearray(4 * count)
+                recv_exact(sock, memoryview(crcs))
                 for view in assembly.layer_views(chunks, layer):
                     recv_exact(sock, view)
+                assembly.check_layer(chunks, layer, struct.unpack(f"<{count}I", crcs))
                 assembly.mark_layer(chunks, layer, size)
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error

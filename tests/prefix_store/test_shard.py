@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_store.blob import combined_crc
+from prefix_store.blob import combined_crc, crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.errors import (
     DataLoss,
@@ -48,7 +48,8 @@ def fetch_all(shard, result_keys, tokens_per_chunk, space=SPACE):
     refs = [ChunkRef(k, n) for k, n in zip(result_keys, tokens_per_chunk, strict=True)]
     out = {}
     for batch in shard.fetch(space, LAYOUT, refs, 0, LAYOUT.num_layers, 64 * 1024):
-        for layer, index, data in batch:
+        for layer, index, data, crc in batch:
+            assert crc32c(data) == crc  # the stored checksum travels with the bytes
             out[(index, layer)] = data
     return out
 
@@ -75,8 +76,8 @@ def test_put_then_lookup_and_fetch_layer_major(tmp_path):
     order = []
     refs = [ChunkRef(k, n) for k, n in zip(keys, (16, 16, 8), strict=True)]
     for batch in shard.fetch(SPACE, LAYOUT, refs, 1, 3, 64 * 1024):
-        order += [(layer, index) for layer, index, _ in batch]
-        for layer, index, data in batch:
+        order += [(layer, index) for layer, index, _, _ in batch]
+        for layer, index, data, _ in batch:
             assert data == sent[(index, layer)]
     assert order == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]  # one layer, then next
 

@@ -8,6 +8,7 @@ import pytest
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import wire
+from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument
 
 SEGMENTS = [
@@ -16,12 +17,17 @@ SEGMENTS = [
     (5, 2, (b"",)),
     (200, 70000, (b"x" * 130,)),
 ]
+FETCHED = [(*segment, crc32c(b"".join(segment[2]))) for segment in SEGMENTS]
 
 
-def test_fetch_response_parses_with_the_generated_class():
-    message = pb.FetchResponse.FromString(wire.fetch_response(SEGMENTS))
-    assert [(s.layer, s.chunk, s.data) for s in message.segments] == [
-        (layer, chunk, b"".join(parts)) for layer, chunk, parts in SEGMENTS
+def test_fetch_response_parses_with_the_generated_class_crc_included():
+    message = pb.FetchResponse.FromString(wire.fetch_response(FETCHED))
+    assert [(s.layer, s.chunk, s.data, s.crc32c) for s in message.segments] == [
+        (layer, chunk, b"".join(parts), crc) for layer, chunk, parts, crc in FETCHED
+    ]
+    decoded = wire.decode_segments(memoryview(wire.fetch_response(FETCHED)))  # 0 included
+    assert [(a, b, bytes(c), d) for a, b, c, d in decoded] == [
+        (layer, chunk, b"".join(parts), crc) for layer, chunk, parts, crc in FETCHED
     ]
 
 
@@ -32,17 +38,17 @@ def test_put_segments_parse_with_the_generated_class_and_back():
     assert len(message.segments.segments) == len(SEGMENTS)
     part, decoded = wire.decode_put(message.SerializeToString())
     assert part == "segments"
-    assert [(a, b, bytes(c)) for a, b, c in decoded] == [
-        (s.layer, s.chunk, s.data) for s in message.segments.segments
+    assert [(a, b, bytes(c), d) for a, b, c, d in decoded] == [
+        (s.layer, s.chunk, s.data, None) for s in message.segments.segments
     ]
 
 
 def test_decoding_generated_messages():
     generated = pb.FetchResponse(segments=[pb.Segment(layer=3, chunk=1, data=b"kv")])
     assert [
-        (a, b, bytes(c))
-        for a, b, c in wire.decode_segments(memoryview(generated.SerializeToString()))
-    ] == [(3, 1, b"kv")]
+        (a, b, bytes(c), d)
+        for a, b, c, d in wire.decode_segments(memoryview(generated.SerializeToString()))
+    ] == [(3, 1, b"kv", None)]
     header = pb.PutRequest(header=pb.PutHeader(namespace="n", token_ids=[1, 2]))
     part, raw = wire.decode_put(header.SerializeToString())
     assert part == "header" and pb.PutHeader.FromString(raw).token_ids == [1, 2]

@@ -109,14 +109,16 @@ class ChunkRef(_message.Message):
     def __init__(self, key: _Optional[int] = ..., tokens: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("layer", "chunk", "data")
+    __slots__ = ("layer", "chunk", "data", "crc32c")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     layer: int
     chunk: int
     data: bytes
-    def __init__(self, layer: _Optional[int] = ..., chunk: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, layer: _Optional[int] = ..., chunk: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "segments", "commit")
