@@ -32,3 +32,8 @@ class OverBudget(DecoderError):
 class ArtifactFormatError(DecoderError, ValueError):
     """Bytes that are not a compressed-KV artifact of this format, or an artifact that does
     not fit the model or prefix it would be used for (maps to DATA_LOSS)."""
+
+
+class ShuttingDown(DecoderError):
+    """The decoder is stopping and did not (or will no longer) serve the call; another
+    decoder may (maps to UNAVAILABLE, so clients retry elsewhere)."""

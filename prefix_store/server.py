@@ -5,7 +5,8 @@ membership heartbeat. Every method takes its request as raw bytes and authentica
 caller from the call's metadata before it reads them: a caller without a known token gets
 UNAUTHENTICATED whatever it sends, and only then is the request parsed (a malformed one is
 INVALID_ARGUMENT naming its message) and its namespace resolved. Store errors map to
-status codes through `status.code_of` (never UNKNOWN).
+status codes through `status.code_of` (never UNKNOWN); anything unexpected is INTERNAL with
+only a request id, logged with its traceback under that id (`status.abort`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from prefix_store.metadata import Metadata, Tenant
 from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
-from prefix_store.status import code_of
+from prefix_store.status import abort
 from prefix_store.tls import bind, server_context
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,6 @@ SERVICE = "vericache.v1.PrefixStore"
 MAX_CHUNKS_PER_FETCH = 1 << 16
 MAX_SPEC = 256
 TRANSPORT_SLACK = 2
-
-
-def _fail(context: grpc.ServicerContext, error: Exception):
-    code = code_of(error)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error in a PrefixStore handler")
-    context.abort(code, str(error) or type(error).__name__)
 
 
 REQUESTS = {
@@ -100,7 +94,7 @@ def unary(method):
             with self.limits.admit(call.tenant.name):
                 return method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001 - every failure gets a precise status
-            _fail(context, error)
+            abort(context, error, f"PrefixStore.{method.__name__}")
 
     return handler
 
@@ -115,7 +109,7 @@ def streaming(method):
             with self.limits.admit(call.tenant.name):
                 yield from method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001
-            _fail(context, error)
+            abort(context, error, f"PrefixStore.{method.__name__}")
 
     return handler
 

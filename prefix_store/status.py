@@ -1,10 +1,20 @@
-"""The one place where store errors become gRPC status codes (and back, for clients)."""
+"""The one place where store errors become gRPC status codes (and back, for clients), and
+where a server handler's failure ends its call (`abort`)."""
 
 from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import NoReturn
 
 import grpc
 
 from prefix_store import errors
+
+log = logging.getLogger(__name__)
+REQUEST_ID = "x-request-id"
+"""Trailing metadata of a call that failed INTERNAL: the id its server logged it under."""
 
 _CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -52,3 +62,23 @@ def error_of(code: grpc.StatusCode, message: str) -> errors.StoreError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         cls = errors.Unavailable
     return cls(message)
+
+
+def abort(
+    context: grpc.ServicerContext,
+    error: BaseException,
+    where: str,
+    code_of: Callable[[BaseException], grpc.StatusCode] = code_of,
+    logger: logging.Logger = log,
+) -> NoReturn:
+    """End a failed call with `error`'s status (`code_of`). A typed error's message goes to
+    the caller as it is (it names the field at fault); anything unexpected is INTERNAL with
+    a message that carries only a fresh request id (no exception text, paths or secrets),
+    and is logged under that id, in `where`, with its traceback."""
+    code = code_of(error)
+    if code != grpc.StatusCode.INTERNAL:
+        context.abort(code, str(error) or type(error).__name__)
+    request_id = uuid.uuid4().hex[:12]
+    logger.error("%s: internal error (request id %s)", where, request_id, exc_info=error)
+    context.set_trailing_metadata(((REQUEST_ID, request_id),))
+    context.abort(code, f"internal error (request id {request_id}); see the server log")

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from decoder.compressors.base import CompressedKV, CompressedLayer, DenseLayer
@@ -73,12 +72,22 @@ def to_bytes(compressed: CompressedKV) -> bytes:
 
 def from_bytes(data: bytes) -> CompressedKV:
     """The artifact in `data`, read as this format only (whether it fits a model is
-    `validate`'s question); raises ArtifactFormatError."""
+    `validate`'s question). Any bytes that are not one (truncated, without their header,
+    garbage, hostile) raise ArtifactFormatError, never another error."""
     try:
-        tensors = load(bytes(data))
-        metadata = _metadata(data)
-    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError, OSError) as error:
-        raise ArtifactFormatError(f"not a compressed-KV artifact: {error}") from error
+        return _read(data)
+    except ArtifactFormatError:
+        raise
+    except Exception as error:  # noqa: BLE001 - untrusted bytes: any failure is theirs
+        raise ArtifactFormatError(
+            f"not a compressed-KV artifact: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _read(data: bytes) -> CompressedKV:
+    """`from_bytes`, raising whatever the bytes make the reading raise."""
+    tensors = load(bytes(data))
+    metadata = _metadata(data)
     if metadata.get("format") != FORMAT:
         raise ArtifactFormatError(f"artifact format {metadata.get('format')!r}, want {FORMAT}")
     header = _header(metadata)

@@ -45,6 +45,14 @@ class CompressorPipeline:
     def observe_window(self) -> int:
         return max(stage.observe_window for stage in self.stages)
 
+    def observes_enough(self, observed: list[torch.Tensor] | None, prefix_length: int) -> bool:
+        """Whether `observed` (per layer [w, H, D]) holds the queries this spec scores with:
+        the last `observe_window` of the prefix (all of a shorter prefix)."""
+        if not self.observe_window:
+            return True
+        need = min(prefix_length, self.observe_window)
+        return observed is not None and observed[0].shape[0] >= need
+
     def compress(
         self,
         source,
@@ -55,9 +63,7 @@ class CompressorPipeline:
     ) -> CompressedKV:
         """source: a FullKVSource; observed: per layer [w, H, D] queries ending the prefix."""
         n = source.length
-        if self.observe_window and (
-            observed is None or observed[0].shape[0] < min(n, self.observe_window)
-        ):
+        if not self.observes_enough(observed, n):
             raise ValueError(
                 f"{self.spec} needs the prefill's last {self.observe_window} queries per layer"
             )

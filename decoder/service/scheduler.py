@@ -20,13 +20,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from decoder.engine import Engine
+from decoder.engine import Engine, Request, Ticket, TokenListener
+from decoder.errors import ShuttingDown
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class Scheduler:
+    """The model thread: jobs and engine steps, one at a time, until `stop`. Once stopped,
+    every call, submission and job still queued fails with `ShuttingDown`."""
+
     def __init__(self) -> None:
         self._engines: list[Engine] = []
         self._jobs: deque[tuple[Callable, Future]] = deque()
@@ -43,26 +47,42 @@ class Scheduler:
         """Run `fn` on the scheduler thread and return its result (or raise its error)."""
         future: Future = Future()
         with self._wake:
-            if self._stopped:
-                raise RuntimeError("the decoder is shutting down")
+            self._check_running()
             self._jobs.append((fn, future))
             self._wake.notify()
         return future.result()
 
+    def submit(self, engine: Engine, request: Request, on_tokens: TokenListener) -> Ticket:
+        """Submit `request` to `engine` (one of this scheduler's) and wake the loop. Under
+        the loop's lock, so that a request is either refused here or failed by `stop`."""
+        with self._wake:
+            self._check_running()
+            ticket = engine.submit(request, on_tokens=on_tokens)
+            self._wake.notify()
+        return ticket
+
     def notify(self) -> None:
-        """Something was submitted to an engine."""
+        """Something changed that a waiting engine may make progress on."""
         with self._wake:
             self._wake.notify()
 
     def stop(self) -> None:
+        """Finish the job or step under way, then fail everything queued or in flight with
+        `ShuttingDown` (so its callers can retry on another decoder)."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
         self._thread.join()
         for engine in self._engines:
+            self._abort(engine, _shutting_down())
             engine.close()
-        for _, future in self._jobs:
-            future.set_exception(RuntimeError("the decoder is shutting down"))
+        while self._jobs:
+            _, future = self._jobs.popleft()
+            future.set_exception(_shutting_down())
+
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise _shutting_down()
 
     def _loop(self) -> None:
         while True:
@@ -101,3 +121,7 @@ class Scheduler:
 
     def _any_busy(self) -> bool:
         return any(engine.busy for engine in self._engines)
+
+
+def _shutting_down() -> ShuttingDown:
+    return ShuttingDown("the decoder is shutting down; retry on another decoder")

@@ -7,7 +7,9 @@ UNAUTHENTICATED whatever it sends, before any byte of its request is parsed or t
 Every failure ends the call with a precise status (`decoder.service.status`): a bad
 request is INVALID_ARGUMENT, an unknown token UNAUTHENTICATED, a request larger than the
 whole KV budget RESOURCE_EXHAUSTED, a prefix whose full KV can be neither read nor
-recomputed UNAVAILABLE. Tokens sent before a failure were verified; nothing else is sent.
+recomputed or a decoder shutting down UNAVAILABLE, a stored artifact that is not one
+DATA_LOSS; anything unexpected is INTERNAL with only a request id, logged with its traceback
+under that id. Tokens sent before a failure were verified; nothing else is sent.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.service.config import DecoderConfig
-from decoder.service.status import code_of
+from decoder.service.status import abort
 from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
@@ -32,13 +34,6 @@ from prefix_store.tls import bind
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
-
-
-def _fail(context: grpc.ServicerContext, error: Exception):
-    code = code_of(error)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error in a Decoder handler")
-    context.abort(code, str(error) or type(error).__name__)
 
 
 def unary(message_class):
@@ -53,7 +48,7 @@ def unary(message_class):
                 with self.worker.authenticate(token) as client, self.admit(client):
                     return method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001 - every failure gets a precise status
-                _fail(context, error)
+                abort(context, error, f"Decoder.{method.__name__}")
 
         return handler
 
@@ -71,7 +66,7 @@ def streaming(message_class):
                 with self.worker.authenticate(token) as client, self.admit(client):
                     yield from method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001
-                _fail(context, error)
+                abort(context, error, f"Decoder.{method.__name__}")
 
         return handler
 

@@ -208,9 +208,8 @@ class DecoderWorker:
             request = Request(
                 entry.prefix, suffix, spec.max_new_tokens, spec.sampling, spec.horizon
             )
-            ticket = engine.submit(request, on_tokens=events.put)
+            ticket = self.scheduler.submit(engine, request, events.put)
             ticket.on_done = lambda: events.put(_DONE)
-            self.scheduler.notify()
             cached = entry.cached.tokens if entry.cached is not None else 0
             yield from self._stream(ticket, events, cancelled, {"cached_tokens": cached})
         finally:
@@ -451,10 +450,12 @@ class DecoderWorker:
             return compressed
 
     def _build_artifact(self, entry: _Entry, spec: str) -> CompressedKV:
+        """The prefix's compressed KV for `spec`, from what its prefill observed when that
+        covers the compressor's window (else the window is observed again, exactly)."""
         pipeline = parse_compressor(spec)
         prefix = entry.prefix
         observed = prefix.observed
-        if pipeline.observe_window and observed is None:
+        if not pipeline.observes_enough(observed, prefix.source.length):
             observed = self._observe(prefix, pipeline.observe_window)
         return self._compress(pipeline, prefix.source, observed)
 
