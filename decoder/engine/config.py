@@ -41,6 +41,10 @@ class EngineConfig:
     admitting every queued request (most-shared prefixes first); passes over a resident
     prefix verify without pulling. Residents are dropped (back to pull-to-verify) as soon as
     a queued request needs their bytes."""
+    max_bypass: int = 8
+    """Admission fairness (`decoder.engine.queue`): how many later requests may be admitted
+    past one that does not fit yet before it waits alone for room (0: first come, first
+    served)."""
     ngram: int = 0
     """Prompt-lookup speculation (`decoder.engine.ngram`): at most this many tokens copied
     from the prompt and output so far are proposed per forward and checked in that forward
@@ -55,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"draft_mode must be 'exact' or 'fast', got {self.draft_mode!r}")
         if self.kv_budget is not None and self.kv_budget <= 0:
             raise ValueError(f"kv_budget must be > 0 bytes, got {self.kv_budget}")
+        if self.max_bypass < 0:
+            raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
         if self.staging_depth < 1:
             raise ValueError(f"staging_depth must be >= 1, got {self.staging_depth}")
         HorizonPolicy(self.horizon, self.max_horizon)  # validates both

@@ -107,8 +107,11 @@ class Engine:
         """The prefix's compressed KV for this engine's spec, built once per prefix."""
         return self.scheduler.compressed(prefix)
 
-    def submit(self, request: Request, on_tokens: TokenListener | None = None) -> Ticket:
-        ticket = Ticket(request, on_tokens)
+    def submit(
+        self, request: Request, on_tokens: TokenListener | None = None, tenant: str = ""
+    ) -> Ticket:
+        """Queue a request; `tenant` is whose it is (admission is fair between tenants)."""
+        ticket = Ticket(request, on_tokens, tenant)
         self.scheduler.submit(ticket)
         return ticket
 

@@ -99,9 +99,13 @@ class Ticket:
     """A submitted request: verified tokens reach `on_tokens` as they are accepted; `wait`
     returns the result (or raises the error that ended the request)."""
 
-    def __init__(self, request: Request, on_tokens: TokenListener | None = None) -> None:
+    def __init__(
+        self, request: Request, on_tokens: TokenListener | None = None, tenant: str = ""
+    ) -> None:
         self.request = request
         self.on_tokens = on_tokens
+        self.tenant = tenant
+        """Whose request (admission is fair between tenants; "" in-process)."""
         self.submitted = time.perf_counter()
         self.on_done: Callable[[], None] | None = None
         """Called once, from the engine's thread, when the request has ended."""

@@ -3,8 +3,9 @@
 Everything the engine keeps for a request is reserved from the `KVBudget` before the
 request is admitted (DESIGN.md section 4): its own tails, its share of what its prefix group
 holds (the compressed prefix, or the full prefix in full-KV mode or after a local
-recompute), and the growth of the shared staging ring and decode scratch. The queue is
-served first come, first served: the head waits until its bytes fit.
+recompute), and the growth of the shared staging ring and decode scratch. The queue
+(`decoder.engine.queue`) offers tenants' requests round robin; one that does not fit yet is
+passed by others a bounded number of times, then waits alone until its bytes fit.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -25,6 +25,7 @@ from decoder.engine.accounting import KVBytes
 from decoder.engine.config import EngineConfig
 from decoder.engine.exact import recompute_prefix
 from decoder.engine.ngram import NgramProposer
+from decoder.engine.queue import FairQueue
 from decoder.engine.request import Prefix, Request, Ticket
 from decoder.engine.state import PrefixGroup, Running
 from decoder.errors import Cancelled, OverBudget, Unreachable
@@ -60,7 +61,7 @@ class Scheduler:
         self.scratch = DraftScratch(c.num_kv_heads, c.head_dim)
         self.running: list[Running] = []
         self.groups: dict[int, PrefixGroup] = {}  # id(prefix) -> group
-        self._queue: deque[Ticket] = deque()
+        self._queue: FairQueue[Ticket] = FairQueue(max_bypass=config.max_bypass)
         self._lock = threading.Lock()
         self._ring_charged = 0
         self._scratch_charged = 0
@@ -73,7 +74,7 @@ class Scheduler:
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
-            self._queue.append(ticket)
+            self._queue.push(ticket, ticket.tenant)
 
     @property
     def queued(self) -> int:
@@ -83,11 +84,12 @@ class Scheduler:
     def drain(self) -> list[Ticket]:
         """Empty the queue; returns what was in it."""
         with self._lock:
-            queued, self._queue = list(self._queue), deque()
+            queued = self._queue.items()
+            self._queue.remove_if(lambda _: True)
         return queued
 
     def admit(self) -> list[Running]:
-        """Admit queued requests in order while their bytes fit; the newly admitted.
+        """Admit queued requests that fit, in the queue's fair order; the newly admitted.
 
         A request that can never run (bad input, an artifact that does not fit the model,
         more bytes than the whole budget) fails alone and the next one is considered."""
@@ -97,31 +99,43 @@ class Scheduler:
         fresh = []
         while True:
             with self._lock:
-                if not self._queue:
-                    break
-                ticket = self._queue[0]
-            try:
-                running = self._try_admit(ticket)
-            except Exception as error:
-                with self._lock:
-                    self._queue.popleft()
-                ticket.finish(None, error)
-                continue
-            if running is None:
-                break  # head of the queue waits for room (first come, first served)
-            with self._lock:
-                self._queue.popleft()
-            self.running.append(running)
-            fresh.append(running)
+                candidates = self._queue.candidates()
+            admitted = self._admit_some(candidates)
+            fresh += admitted
+            if not admitted:
+                break
         if not self.queued:
             self._promote()
         return fresh
 
+    def _admit_some(self, candidates: list[Ticket]) -> list[Running]:
+        """Try `candidates` in order; stop early when one that does not fit has been passed
+        too often (it then waits alone)."""
+        admitted = []
+        for ticket in candidates:
+            try:
+                running = self._try_admit(ticket)
+            except Exception as error:
+                with self._lock:
+                    self._queue.remove(ticket)
+                ticket.finish(None, error)
+                continue
+            with self._lock:
+                if running is None:
+                    self._queue.refused(ticket)
+                else:
+                    self._queue.admitted(ticket)
+                blocked = self._queue.blocked()
+            if running is not None:
+                self.running.append(running)
+                admitted.append(running)
+            if blocked:
+                break
+        return admitted
+
     def _drop_cancelled(self) -> None:
         with self._lock:
-            cancelled = [t for t in self._queue if t.cancelled]
-            if cancelled:
-                self._queue = deque(t for t in self._queue if not t.cancelled)
+            cancelled = self._queue.remove_if(lambda t: t.cancelled)
         for ticket in cancelled:
             ticket.finish(None, Cancelled("the request was cancelled"))
         for r in self.running:

@@ -52,12 +52,15 @@ class Scheduler:
             self._wake.notify()
         return future.result()
 
-    def submit(self, engine: Engine, request: Request, on_tokens: TokenListener) -> Ticket:
-        """Submit `request` to `engine` (one of this scheduler's) and wake the loop. Under
-        the loop's lock, so that a request is either refused here or failed by `stop`."""
+    def submit(
+        self, engine: Engine, request: Request, on_tokens: TokenListener, tenant: str = ""
+    ) -> Ticket:
+        """Submit `tenant`'s `request` to `engine` (one of this scheduler's) and wake the
+        loop. Under the loop's lock, so that a request is either refused here or failed by
+        `stop`."""
         with self._wake:
             self._check_running()
-            ticket = engine.submit(request, on_tokens=on_tokens)
+            ticket = engine.submit(request, on_tokens=on_tokens, tenant=tenant)
             self._wake.notify()
         return ticket
 

@@ -208,7 +208,8 @@ class DecoderWorker:
             request = Request(
                 entry.prefix, suffix, spec.max_new_tokens, spec.sampling, spec.horizon
             )
-            ticket = self.scheduler.submit(engine, request, events.put)
+            tenant = client.topology.tenant  # admission is fair between tenants
+            ticket = self.scheduler.submit(engine, request, events.put, tenant)
             ticket.on_done = lambda: events.put(_DONE)
             cached = entry.cached.tokens if entry.cached is not None else 0
             yield from self._stream(ticket, events, cancelled, {"cached_tokens": cached})

@@ -225,3 +225,32 @@ def test_a_queued_request_can_be_cancelled_behind_one_waiting_for_room(
         e.step()
     assert running.wait().tokens == waiting.wait().tokens
     assert e.budget.used == 0
+
+
+@pytest.mark.parametrize("max_bypass, smalls_admitted", [(0, 0), (1, 1), (8, 2)])
+def test_a_request_waiting_for_room_is_passed_by_smaller_ones_a_bounded_number_of_times(
+    builtin_model, builtin_runner, doc, max_bypass, smalls_admitted
+):
+    big = [fresh_prefix(builtin_runner, doc) for _ in range(2)]
+    small = [fresh_prefix(builtin_runner, doc[:16]) for _ in range(2)]
+    peaks = []
+    for prefix in (big[0], small[0]):
+        probe = engine(builtin_runner, builtin_model, mode="full")
+        probe.run([Request(prefix, [13], NEW)])
+        peaks.append(probe.budget.peak)
+    limit = peaks[0] + 2 * peaks[1] + (64 << 10)  # one big and both small ones, not two big
+    assert limit < 2 * peaks[0]
+    e = engine(builtin_runner, builtin_model, mode="full", kv_budget=limit, max_bypass=max_bypass)
+    tickets = [e.submit(Request(big[0], [13], NEW))]
+    e.step()
+    tickets.append(e.submit(Request(big[1], [13], NEW), tenant="a"))  # waits for room
+    tickets += [e.submit(Request(p, [13], NEW), tenant="b") for p in small]
+    e.step()
+    assert e.in_flight == 1 + smalls_admitted and e.queued == 3 - smalls_admitted
+    while not all(t.done for t in tickets):
+        e.step()
+    prompts = [p.tokens + [13] for p in big + small]
+    eos = builtin_model.eos_token_ids
+    full = generate_full(builtin_runner, prompts, max_new_tokens=NEW, eos_token_ids=eos)
+    assert [t.wait().tokens for t in tickets] == [r.tokens for r in full]
+    assert e.budget.used == 0
