@@ -59,6 +59,11 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     horizon: int | None = None
     """Drafted tokens per verification for this request; None follows the engine's config."""
+    prepaid: int = 0
+    """Budget bytes the caller already reserved for this request's prefix KV, held in
+    local memory (a prompt prefilled on the decoder before it was queued). Admission takes
+    them over as part of the prefix's charge; a request that ends without being admitted
+    has them released."""
 
     def __post_init__(self) -> None:
         if not self.suffix:
@@ -67,6 +72,8 @@ class Request:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.horizon is not None and self.horizon < 0:
             raise ValueError(f"horizon must be >= 0, got {self.horizon}")
+        if self.prepaid < 0:
+            raise ValueError(f"prepaid must be >= 0 bytes, got {self.prepaid}")
 
 
 def prefill_prefix(
@@ -106,6 +113,8 @@ class Ticket:
         self.on_tokens = on_tokens
         self.tenant = tenant
         """Whose request (admission is fair between tenants; "" in-process)."""
+        self.prepaid = request.prepaid
+        """`request.prepaid` bytes not yet taken over by admission or released."""
         self.submitted = time.perf_counter()
         self.on_done: Callable[[], None] | None = None
         """Called once, from the engine's thread, when the request has ended."""

@@ -86,7 +86,15 @@ class Scheduler:
         with self._lock:
             queued = self._queue.items()
             self._queue.remove_if(lambda _: True)
+        for ticket in queued:
+            self._refund(ticket)
         return queued
+
+    def _refund(self, ticket: Ticket) -> None:
+        """A ticket leaving the queue unadmitted gives back what its caller prepaid."""
+        if ticket.prepaid:
+            self.budget.release(ticket.prepaid)
+            ticket.prepaid = 0
 
     def admit(self) -> list[Running]:
         """Admit queued requests that fit, in the queue's fair order; the newly admitted.
@@ -118,6 +126,7 @@ class Scheduler:
             except Exception as error:
                 with self._lock:
                     self._queue.remove(ticket)
+                self._refund(ticket)
                 ticket.finish(None, error)
                 continue
             with self._lock:
@@ -137,6 +146,7 @@ class Scheduler:
         with self._lock:
             cancelled = self._queue.remove_if(lambda t: t.cancelled)
         for ticket in cancelled:
+            self._refund(ticket)
             ticket.finish(None, Cancelled("the request was cancelled"))
         for r in self.running:
             if r.ticket.cancelled:
@@ -180,17 +190,20 @@ class Scheduler:
         own = self._own_bytes(capacity)
         room = max(group.room, capacity)
         buffers = self._buffers_growth(group, room)
-        # A prefix held in local memory (prefilled here, not in the store) counts too.
+        # A prefix held in local memory (prefilled here, not in the store) counts too; what
+        # its caller prepaid for it is taken over rather than reserved again.
         local = isinstance(group.source, LocalKVSource) and new_group
         shared = buffers + (group.source.nbytes if local else 0)
+        prepaid = min(ticket.prepaid, group.source.nbytes) if local else 0
         scratch = self._scratch_growth(group, room)
         staging = self._staging_growth(group.source.length + room)
-        need = own + shared + scratch + staging
+        need = own + shared + scratch + staging - prepaid
         if not self.budget.try_reserve(need):
-            # With nothing of ours in flight, `need` is what the request needs on its own.
-            if not self.running and self.budget.limit is not None and need > self.budget.limit:
+            # With nothing of ours in flight, this is what the request needs on its own.
+            alone = need + prepaid
+            if not self.running and self.budget.limit is not None and alone > self.budget.limit:
                 raise OverBudget(
-                    f"the request needs {need} bytes of KV but the decoder's budget is "
+                    f"the request needs {alone} bytes of KV but the decoder's budget is "
                     f"{self.budget.limit} bytes"
                 )
             return None
@@ -205,6 +218,8 @@ class Scheduler:
             group.room = previous_room
             self.budget.release(need)
             raise
+        self.budget.release(ticket.prepaid - prepaid)  # prepaid beyond what the prefix holds
+        ticket.prepaid = 0
         group.charged += shared
         group.buffers += buffers
         self._ring_charged += staging

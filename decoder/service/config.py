@@ -49,7 +49,11 @@ class DecoderConfig:
     calls: CallBounds = field(default_factory=CallBounds)
     """Concurrent calls per tenant and in all (below `max_workers`)."""
     prefix_cache: int = 8
-    """Idle prefixes (with their compressed artifacts) kept for the next request."""
+    """Idle prefixes (with their compressed artifacts, charged to the KV budget) kept for
+    the next request; fewer when the budget needs their bytes."""
+    max_engines: int = 8
+    """Engines (one per mode, compressor spec and n-gram setting) kept once idle; idle ones
+    beyond this are closed, least recently used first."""
     client: ClientConfig = field(default_factory=ClientConfig)
     """How this worker's store clients connect (`client.tls`: TLS to the shards)."""
     tls: TLSConfig | None = None
@@ -80,6 +84,8 @@ class DecoderConfig:
             raise ValueError(f"ngram must be in [0, {MAX_NGRAM}], got {self.ngram}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_engines < 1:
+            raise ValueError(f"max_engines must be >= 1, got {self.max_engines}")
         if self.store_clients < 1:
             raise ValueError(f"store_clients must be >= 1, got {self.store_clients}")
         if self.auth_recheck_s < 0:

@@ -43,6 +43,13 @@ class Scheduler:
         with self._wake:
             self._engines.append(engine)
 
+    def remove_engine(self, engine: Engine) -> None:
+        """Stop stepping an idle engine (its caller guarantees nothing is submitted to it
+        any more) and close it."""
+        with self._wake:
+            self._engines.remove(engine)
+        engine.close()
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the scheduler thread and return its result (or raise its error)."""
         future: Future = Future()

@@ -14,6 +14,14 @@ Generate:
 A prompt with no cached prefix is prefilled here (its KV is held locally, under the
 budget) and decoded the same way. Publish prefills a prefix once, stores its full KV chunks
 and one artifact per requested compressor.
+
+Memory (DESIGN.md section 4): everything the worker keeps is charged to the KV budget or
+bounded by its own limit. A local prefill reserves its KV before it runs (waiting for room)
+and hands the reservation to the engine's admission. Cached prefixes are charged for their
+compressed artifacts; idle ones are dropped least recently used first beyond
+`prefix_cache`, or whenever a reservation needs their bytes. Engines (one per mode,
+compressor spec and n-gram setting) are kept for `max_engines` specs; idle ones beyond that
+are closed least recently used first.
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +44,7 @@ from decoder.compressors import CompressedKV, parse_compressor
 from decoder.compressors.artifact import ArtifactFormatError, from_bytes, to_bytes, validate
 from decoder.config import RunnerConfig
 from decoder.engine import ENGINE_MODES, Engine, EngineConfig, Prefix, Request, prefill_prefix
+from decoder.errors import Cancelled, OverBudget
 from decoder.kv_source import FullKVSource
 from decoder.loader import LoadedModel, load_model
 from decoder.runner import ModelRunner, SeqInput
@@ -51,6 +60,8 @@ from prefix_store.provenance import Signer, trusted_prefix
 
 log = logging.getLogger(__name__)
 _DONE = object()
+LOCAL_PREFILL_POLL_S = 0.05
+"""How often a prompt to prefill here looks again for room in the budget."""
 
 
 @dataclass(eq=False)
@@ -63,6 +74,17 @@ class _Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     unsigned: bool = False
     """Over KV no decoder signed (the caller opted in): what is built from it is not signed."""
+    charged: int = 0
+    """Budget bytes the entry holds itself: its compressed artifacts."""
+    prepaid: int = 0
+    """A local prefill's reserved KV bytes, until its request takes them over."""
+
+
+@dataclass(eq=False)
+class _EngineSlot:
+    engine: Engine
+    users: int = 0
+    """Requests that obtained the engine and have not ended (it is not closed under them)."""
 
 
 @dataclass
@@ -97,8 +119,9 @@ class DecoderWorker:
         """The longest token's text: a text longer than this times the context cannot fit."""
         self.budget = KVBudget(config.kv_budget)
         self.scheduler = Scheduler()
-        self._engines: dict[tuple[str, str, int], Engine] = {}
+        self._engines: OrderedDict[tuple[str, str, int], _EngineSlot] = OrderedDict()
         self._prefixes: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.budget.add_reclaimer(self._reclaim_idle_prefix)
         self._clients = StoreClients(
             config.store_endpoints,
             config.client,
@@ -126,7 +149,8 @@ class DecoderWorker:
     # -- Info -----------------------------------------------------------------------------
 
     def info(self) -> dpb.InfoResponse:
-        engines = list(self._engines.values())
+        with self._lock:
+            engines = [slot.engine for slot in self._engines.values()]
         return dpb.InfoResponse(
             model_id=self.layout.model_id,
             worker_id=self.config.worker_id,
@@ -198,21 +222,28 @@ class DecoderWorker:
     def generate(self, token: str, spec: GenerateSpec, cancelled=lambda: False) -> Iterator:
         """Yield (token ids, text) as tokens are verified, then the final (stop, stats)."""
         client = self.client(token)
-        entry = self._entry(client, spec.prompt[:-1], spec.namespace, spec.use_unsigned_prefix)
+        prompt = spec.prompt[:-1]
+        entry = self._entry(client, prompt, spec.namespace, spec.use_unsigned_prefix, cancelled)
         try:
             if spec.mode != "full":
                 self._ensure_artifact(entry, spec.compressor, client)
             suffix = spec.prompt[entry.prefix.source.length :]
-            engine = self._engine(spec.mode, spec.compressor, spec.ngram)
-            events: queue.Queue = queue.Queue()
-            request = Request(
-                entry.prefix, suffix, spec.max_new_tokens, spec.sampling, spec.horizon
-            )
-            tenant = client.topology.tenant  # admission is fair between tenants
-            ticket = self.scheduler.submit(engine, request, events.put, tenant)
-            ticket.on_done = lambda: events.put(_DONE)
-            cached = entry.cached.tokens if entry.cached is not None else 0
-            yield from self._stream(ticket, events, cancelled, {"cached_tokens": cached})
+            with self._engine(spec.mode, spec.compressor, spec.ngram) as engine:
+                events: queue.Queue = queue.Queue()
+                request = Request(
+                    entry.prefix,
+                    suffix,
+                    spec.max_new_tokens,
+                    spec.sampling,
+                    spec.horizon,
+                    prepaid=entry.prepaid,
+                )
+                tenant = client.topology.tenant  # admission is fair between tenants
+                ticket = self.scheduler.submit(engine, request, events.put, tenant)
+                entry.prepaid = 0  # the ticket holds it now
+                ticket.on_done = lambda: events.put(_DONE)
+                cached = entry.cached.tokens if entry.cached is not None else 0
+                yield from self._stream(ticket, events, cancelled, {"cached_tokens": cached})
         finally:
             self._release(entry)
 
@@ -349,11 +380,14 @@ class DecoderWorker:
         with self._lock:
             return [e.prefix.source.client for e in self._prefixes.values() if e.cached is not None]
 
-    def _engine(self, mode: str, compressor: str, ngram: int) -> Engine:
+    @contextmanager
+    def _engine(self, mode: str, compressor: str, ngram: int) -> Iterator[Engine]:
+        """The engine of a mode and spec, kept while the block runs; afterwards idle
+        engines beyond `max_engines` are closed, least recently used first."""
         key = (mode, compressor if mode != "full" else "", ngram)
         with self._lock:
-            engine = self._engines.get(key)
-            if engine is None:
+            slot = self._engines.get(key)
+            if slot is None:
                 config = EngineConfig(
                     mode=mode,
                     compressor=compressor,
@@ -362,12 +396,42 @@ class DecoderWorker:
                     resident=self.config.resident_prefixes,
                 )
                 engine = Engine(self.runner, config, self.model.eos_token_ids, self.budget)
-                self._engines[key] = engine
+                slot = self._engines[key] = _EngineSlot(engine)
                 self.scheduler.add_engine(engine)
-        return engine
+            self._engines.move_to_end(key)
+            slot.users += 1
+        try:
+            yield slot.engine
+        finally:
+            with self._lock:
+                slot.users -= 1
+                idle = self._idle_engines()
+            for engine in idle:
+                self.scheduler.remove_engine(engine)
+
+    def _idle_engines(self) -> list[Engine]:
+        """Unused engines beyond `max_engines`, least recently used first, forgotten."""
+        excess = len(self._engines) - self.config.max_engines
+        idle = [k for k, s in self._engines.items() if not s.users and not s.engine.busy]
+        return [self._engines.pop(key).engine for key in idle[: max(0, excess)]]
+
+    def engines(self) -> int:
+        """Engines kept (at most `config.max_engines` once idle)."""
+        with self._lock:
+            return len(self._engines)
+
+    def cached_prefixes(self) -> int:
+        """Prefixes kept for later requests."""
+        with self._lock:
+            return len(self._prefixes)
 
     def _entry(
-        self, client: StoreClient, tokens: list[int], namespace: str, unsigned: bool = False
+        self,
+        client: StoreClient,
+        tokens: list[int],
+        namespace: str,
+        unsigned: bool = False,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> _Entry:
         """The prefix a request decodes over: the leading chunks of the longest cached prefix
         that this deployment's decoders signed (docs/DESIGN.md section 8); anything else
@@ -387,7 +451,7 @@ class DecoderWorker:
                 found.tokens,
             )
         if cached.tokens == 0:
-            return self._local_entry(tokens)
+            return self._local_entry(tokens, cancelled)
         owner = client.topology.tenant if not namespace else ""  # private: the caller's own
         key = (owner, cached.namespace, cached.key, cached.tokens, unsigned)
         with self._lock:
@@ -401,20 +465,56 @@ class DecoderWorker:
             self._evict()
         return entry
 
-    def _local_entry(self, tokens: list[int]) -> _Entry:
-        """No cached prefix: prefill it here (held locally, not stored)."""
-        prefix = self.scheduler.call(lambda: prefill_prefix(self.runner, tokens, 128))
-        return _Entry(prefix, None, users=1)
+    def _local_entry(self, tokens: list[int], cancelled: Callable[[], bool]) -> _Entry:
+        """No cached prefix: prefill it here (held locally, not stored), once the budget
+        has room for its KV; that reservation goes with the request to its admission."""
+        need = len(tokens) * self.model.config.kv_bytes_per_token
+        limit = self.budget.limit
+        if limit is not None and need > limit:
+            raise OverBudget(
+                f"the prompt's KV needs {need} bytes but the decoder's budget is {limit} bytes"
+            )
+
+        def prefill() -> Prefix | None:  # on the model thread, between engine steps
+            if not self.budget.try_reserve(need):
+                return None
+            try:
+                return prefill_prefix(self.runner, tokens, 128)
+            except BaseException:
+                self.budget.release(need)
+                raise
+
+        while (prefix := self.scheduler.call(prefill)) is None:
+            if cancelled():
+                raise Cancelled("the request was cancelled while waiting for room")
+            time.sleep(LOCAL_PREFILL_POLL_S)  # requests in flight free their bytes
+        return _Entry(prefix, None, users=1, prepaid=need)
 
     def _release(self, entry: _Entry) -> None:
         with self._lock:
             entry.users -= 1
+            if entry.cached is None:  # a local prefill: nobody else has it
+                self._forget(entry)
             self._evict()
 
     def _evict(self) -> None:
         idle = [k for k, e in self._prefixes.items() if e.users == 0]
         for key in idle[: max(0, len(self._prefixes) - self.config.prefix_cache)]:
-            del self._prefixes[key]
+            self._forget(self._prefixes.pop(key))
+
+    def _forget(self, entry: _Entry) -> None:
+        """An entry leaves the worker: the bytes it holds go back to the budget."""
+        self.budget.release(entry.charged + entry.prepaid)
+        entry.charged = entry.prepaid = 0
+
+    def _reclaim_idle_prefix(self) -> bool:
+        """The budget's reclaimer: drop the least recently used idle cached prefix."""
+        with self._lock:
+            key = next((k for k, e in self._prefixes.items() if e.users == 0), None)
+            if key is None:
+                return False
+            self._forget(self._prefixes.pop(key))
+            return True
 
     def _ensure_artifact(self, entry: _Entry, spec: str, client: StoreClient) -> CompressedKV:
         """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored
@@ -447,6 +547,8 @@ class DecoderWorker:
                 if entry.cached is not None:
                     signer = None if entry.unsigned else self.signer
                     self._store_artifact(client, entry.cached, spec, compressed, signer)
+            self.scheduler.call(lambda: self.budget.reserve(compressed.nbytes))
+            entry.charged += compressed.nbytes
             prefix.artifacts[spec] = compressed
             return compressed
 
