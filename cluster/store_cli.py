@@ -317,6 +317,10 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+FAULTS = ("corrupt", "lost_spills", "disk_write_errors", "disk_rejected")
+"""A shard's fault counters (`PrefixStoreServicer.shard_stats`)."""
+
+
 def run_status(ns) -> int:
     status = _status(metadata(ns))
     if ns.json:
@@ -324,16 +328,18 @@ def run_status(ns) -> int:
         return 0
     print(f"shards: {len(status['shards'])} live, replication {status['replication']}")
     print(
-        f"  {'shard':<10} {'address':<22} {'memory':>21} {'disk':>21} {'chunks':>7} {'hit rate':>8}"
+        f"  {'shard':<10} {'address':<22} {'memory':>21} {'disk':>21} {'chunks':>7} "
+        f"{'hit rate':>8} {'faults':>6}"
     )
     for s in status["shards"]:
         lookups = s["lookup_hits"] + s["lookup_misses"]
         rate = f"{s['lookup_hits'] / lookups:.0%}" if lookups else "-"
         memory = f"{_size(s['memory_bytes'])}/{_size(s['memory_capacity'])}"
         disk = f"{_size(s['disk_bytes'])}/{_size(s['disk_capacity'])}"
+        faults = sum(s.get(k, 0) for k in FAULTS)  # details in --json
         print(
             f"  {s['shard_id']:<10} {s['address']:<22} {memory:>21} {disk:>21} "
-            f"{s['chunks']:>7} {rate:>8}"
+            f"{s['chunks']:>7} {rate:>8} {faults:>6}"
         )
     print(f"tenants: {len(status['tenants'])}")
     for t in status["tenants"]:

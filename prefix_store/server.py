@@ -507,6 +507,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             "fetched_bytes": stats.fetched_bytes,
             "evictions": stats.evictions,
             "leased_chunks": counts["leased"],
+            # Faults survived: blobs that failed their checksum, evicted blobs lost to a
+            # failed disk write, disk write errors, unusable files dropped at start-up.
+            "corrupt": stats.corrupt,
+            "lost_spills": stats.lost_spills,
+            "disk_write_errors": self.shard.disk.write_errors,
+            "disk_rejected": len(self.shard.disk.rejected),
         }
 
 

@@ -4,6 +4,7 @@ commands (tenant, namespace, status) against the deployment's Redis."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -153,4 +154,8 @@ def test_operator_commands(deployment, capsys):
     assert main(["status", "--redis-url", url]) == 0
     out = capsys.readouterr().out
     assert "shard-0" in out and "shard-1" in out and "ops-a" in out and "docs" in out
+    assert "faults" in out.splitlines()[1]
+    assert main(["status", "--redis-url", url, "--json"]) == 0
+    shards = json.loads(capsys.readouterr().out)["shards"]
+    assert all(s["corrupt"] == s["lost_spills"] == s["disk_write_errors"] == 0 for s in shards)
     assert main(["status"]) == 0  # finds the deployment through its state file
