@@ -1,5 +1,5 @@
 # Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
-# bench-remote, bench-cluster.
+# bench-remote, bench-cluster, load, chaos.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 KERNEL_STAMP := $(VENV)/.kernel-ready
 
 .PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
-	bench-remote bench-cluster clean
+	bench-remote bench-cluster load chaos clean
 
 install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -77,6 +77,17 @@ bench-remote: install
 # `ray up`) behind tc-shaped links of 1.2 GB/s and 1 Gbit/s. Needs root; ~25 minutes.
 bench-cluster: install
 	$(PY) bench/bench_cluster.py
+
+# A deployment (2 shards, 1 decoder, Redis, Ray) under 64 concurrent clients of 4 tenants
+# for 10 minutes: latency per operation, errors by status, bytes and tokens checked, RSS.
+load: install
+	$(PY) bench/load.py
+
+# The same load while faults are injected one after another (shard kill -9 and SIGSTOP,
+# Redis restart, a full disk, decoder kill -9, corruption on disk and in transit); a table
+# of fault / expected / observed / recovery seconds / lost. Needs root (tmpfs); ~15 minutes.
+chaos: install
+	$(PY) bench/chaos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

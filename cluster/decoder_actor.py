@@ -40,6 +40,10 @@ class DecoderActor:
     def stop(self) -> None:
         self.server.stop()
 
+    def pid(self) -> int:
+        """The actor's process (operators: memory, signals; `make chaos`)."""
+        return os.getpid()
+
 
 def decoder_actor(config: DecoderConfig, gpus: bool, placement: dict | None = None):
     """Create (not start) a decoder actor: one GPU when `gpus` (its node has some), else one

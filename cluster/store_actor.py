@@ -7,9 +7,11 @@ nodes that advertise it: storage nodes on a cluster, this machine in the embedde
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ray
 
+from prefix_store import faults
 from prefix_store.config import ShardConfig
 from prefix_store.server import ShardServer
 
@@ -29,6 +31,15 @@ class ShardActor:
 
     def stats(self) -> dict:
         return self.server.servicer.shard_stats()
+
+    def pid(self) -> int:
+        """The actor's process (operators: memory, signals; `make chaos`)."""
+        return os.getpid()
+
+    def inject_transit_faults(self, frames: int) -> None:
+        """Fault injection (`make chaos`): corrupt the next `frames` fetched layers or
+        messages on their way out (`prefix_store.faults`)."""
+        faults.TRANSIT.arm(frames)
 
     def stop(self) -> None:
         """Graceful: leave the membership, finish RPCs, persist memory to disk."""

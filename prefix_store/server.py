@@ -493,6 +493,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
     def shard_stats(self) -> dict:
         """Shard-wide figures, for the membership heartbeat (operators)."""
         counts = self.shard.counts()
+        held, charged = self.shard.accounting()
         stats = self.shard.stats
         return {
             "shard_id": self.config.shard_id,
@@ -513,6 +514,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             "lost_spills": stats.lost_spills,
             "disk_write_errors": self.shard.disk.write_errors,
             "disk_rejected": len(self.shard.disk.rejected),
+            "held_bytes": held,
+            "usage_bytes": charged,
         }
 
 

@@ -716,6 +716,13 @@ class Shard:
         with self._lock:
             return dict(self.stats.usage)
 
+    def accounting(self) -> tuple[int, int]:
+        """(bytes of the distinct blobs held, bytes charged to their owners): equal unless
+        the accounting is wrong (checked after faults by `make chaos`)."""
+        with self._lock:
+            held = set(self.memory.ids()) | set(self.disk.ids())
+            return sum(self._find(i).nbytes for i in held), sum(self.stats.usage.values())
+
     def counts(self, owner: str | None = None) -> dict[str, int]:
         """Chunks and artifacts held (only `owner`'s when given) and leased blobs."""
         with self._lock:
