@@ -114,6 +114,15 @@ class ClientConfig:
     pings go unanswered, and the transfer continues on a replica."""
     quarantine_s: float = 30.0
     """After a shard failed, transfers and calls prefer its replicas for this long."""
+    refresh_s: float = 10.0
+    """Re-read the shard membership (Describe) this often, checked at each call; a shard
+    that failed (unreachable) makes it due sooner, after `min_refresh_s`."""
+    min_refresh_s: float = 1.0
+    """Soonest a failure makes the next membership refresh due after the last one."""
+    membership_grace_s: float = 10.0
+    """How long a shard must be listed before new chunks are placed on it, and unlisted
+    before its chunks are placed elsewhere (meanwhile calls route around it): a flapping
+    shard moves no chunk (see `prefix_store.client.membership`)."""
     tls: TLSClientConfig | None = None
     """Connect to the shards (gRPC and data plane) over TLS, verifying their certificates
     (and presenting a client certificate to mTLS shards); None: in the clear."""
@@ -121,8 +130,10 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.stream_timeout_s <= 0 or self.idle_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
-        if self.quarantine_s < 0:
-            raise ValueError("quarantine_s must be >= 0")
+        if self.quarantine_s < 0 or self.membership_grace_s < 0:
+            raise ValueError("quarantine_s and membership_grace_s must be >= 0")
+        if self.refresh_s <= 0 or self.min_refresh_s <= 0:
+            raise ValueError("refresh_s and min_refresh_s must be > 0")
         if self.retries < 1:
             raise ValueError("retries must be >= 1")
         if self.streams < 1:

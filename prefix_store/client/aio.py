@@ -1,96 +1,97 @@
 """The asyncio client SDK: the same operations and guarantees as `StoreClient`, on grpc.aio.
+An I/O shell over `client.core.ClientCore`, like `StoreClient`: the same placement,
+failover, quarantine, retries, deadlines, membership refresh and undo.
 
 Use `await AsyncStoreClient.connect(endpoints, token)`. Fetches stream into caller-owned
-tensors with the same failover (a failed stream resumes on a replica from its first
-incomplete layer); `iter_layers` is an async generator of completed layer indices.
+tensors (a failed stream resumes on a replica from its first incomplete layer);
+`iter_layers` is an async generator of completed layer indices.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
 from collections.abc import AsyncIterator, Sequence
 
-import grpc
 from vericache.v1 import prefix_store_pb2 as pb
-from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store.blob import crc32c
-from prefix_store.client.plan import (
-    Assembly,
-    CachedPrefix,
-    Topology,
-    artifact_id,
-    artifact_messages,
-    as_layers,
-    cached_prefix,
-    fetch_request,
-    group_by_owner,
-    lanes,
-    lookup_requests,
-    placement,
-    plan_chunks,
-    put_header,
-    put_messages,
-    settle,
-)
-from prefix_store.client.retry import retrying_async, rpc_error
-from prefix_store.client.sync import (
-    FETCH_METHOD,
-    PUT_METHOD,
-    PublishResult,
-    _same,
-    artifact_placement,
-    channel_options,
-    data_plane_tls,
-    exhausted,
-    failover_error,
-)
-from prefix_store.client.transfer import receive, send_put
+from prefix_store.client import core as policy
+from prefix_store.client.channels import Connections
+from prefix_store.client.plan import ArtifactReceipt, CachedPrefix, Topology, artifact_messages
+from prefix_store.client.retry import Attempts, retrying_async
+from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
 from prefix_store.data_plane import redemption
-from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unavailable
+from prefix_store.errors import StoreError, Unavailable
 from prefix_store.layout import KVLayout
-from prefix_store.shard import validate_tokens
-from prefix_store.status import FAILOVER
+from prefix_store.provenance import Signer, Verifier
 from prefix_store.tls import make_aio_channel
 
-log = logging.getLogger(__name__)
+
+class Transfer:
+    """One fetch's streams as asyncio tasks, and the wait for each layer."""
+
+    def __init__(self, client: AsyncStoreClient, route: policy.FetchRoute) -> None:
+        self.client, self.route, self.assembly = client, route, route.assembly
+        self.tasks: set[asyncio.Task] = set()
+        self.cancels = Cancels()
+        self.progress = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self.assembly.listeners.append(lambda: loop.call_soon_threadsafe(self.progress.set))
+
+    def run(self, streams: list[policy.FetchStream]) -> None:
+        for stream in streams:
+            task = asyncio.ensure_future(self._stream(stream))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _stream(self, stream: policy.FetchStream) -> None:
+        try:
+            if stream.data_address is not None:
+                await self.client._stream_data_plane(stream, self.assembly, self.cancels)
+            else:
+                await self.client._stream_grpc(stream, self.assembly)
+        except Exception as error:  # noqa: BLE001 - the route decides: replica or failure
+            self.run(self.route.failed(stream, error))
+        self.progress.set()
+
+    async def wait_layer(self, layer: int, timeout_s: float) -> None:
+        """Until `layer` is complete; re-raise the transfer's failure."""
+        while not self.assembly.layer_ready(layer):
+            if self.assembly.error is not None:
+                raise self.assembly.error
+            if not self.tasks:
+                raise Unavailable(f"fetch: layer {layer} never arrived")
+            self.progress.clear()
+            try:
+                await asyncio.wait_for(self.progress.wait(), timeout_s)
+            except TimeoutError as error:
+                raise Unavailable(
+                    f"fetch: layer {layer} did not arrive within {timeout_s:.0f} s"
+                ) from error
+
+    async def close(self, timeout_s: float) -> None:
+        """Cut the streams, then wait for them: nothing may write into the outputs after."""
+        self.assembly.close()
+        self.cancels.cancel_all()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
+        for task in list(self.tasks):
+            task.cancel()
 
 
-class Cancels:
-    """Data-plane transfers of one fetch; one registered after `cancel_all` is cut at once."""
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._lock = threading.Lock()
-        self.cancelled = False
-
-    def track(self, item) -> None:
-        with self._lock:
-            self._items.append(item)
-            if self.cancelled:
-                item.cancel()
-
-    def cancel_all(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            for item in self._items:
-                item.cancel()
+async def outcome(job):
+    """An awaitable's result, or the StoreError it raised."""
+    try:
+        return await job
+    except StoreError as error:
+        return error
 
 
 class AsyncStoreClient:
     def __init__(self, endpoints, token: str, config: ClientConfig | None = None) -> None:
-        self.config = config or ClientConfig()
-        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        if not self.endpoints:
-            raise InvalidArgument("endpoints: at least one host:port is required")
-        self._metadata = (("authorization", f"Bearer {token}"),)
-        self._token = token
-        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
-        self._data_tls = data_plane_tls(self.config)
-        self.topology: Topology | None = None
+        self.core = policy.ClientCore(endpoints, config)
+        self.config, self.endpoints = self.core.config, self.core.endpoints
+        self._conn = Connections(self.config, token, make_aio_channel)
 
     @classmethod
     async def connect(cls, endpoints, token: str, config: ClientConfig | None = None):
@@ -99,9 +100,8 @@ class AsyncStoreClient:
         return client
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in self._conn.take():
             await channel.close()
-        self._channels.clear()
 
     async def __aenter__(self) -> AsyncStoreClient:
         if self.topology is None:
@@ -111,42 +111,46 @@ class AsyncStoreClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _channel(self, address: str, lane: int = 0) -> grpc.aio.Channel:
-        channel = self._channels.get((address, lane))
-        if channel is None:
-            channel = make_aio_channel(address, channel_options(self.config), self.config.tls)
-            self._channels[(address, lane)] = channel
-        return channel
+    @property
+    def topology(self) -> Topology | None:
+        """As `StoreClient.topology`; None before the first `describe`."""
+        return self.core.topology
 
-    def _stub(self, address: str, lane: int = 0) -> pb_grpc.PrefixStoreStub:
-        return pb_grpc.PrefixStoreStub(self._channel(address, lane))
+    def suspects(self) -> frozenset[str]:
+        """As `StoreClient.suspects`."""
+        return self.core.suspects()
 
-    def _address(self, shard_id: str) -> str:
-        return self.topology.shards[shard_id]
+    # ---- membership and unary calls -------------------------------------------------------
 
     async def describe(self) -> Topology:
-        known = list(self.topology.shards.values()) if self.topology else []
-        targets = list(dict.fromkeys(self.endpoints + known))
-        response = await retrying_async(
-            self.config,
-            targets,
-            lambda address: self._stub(address).Describe(
-                pb.DescribeRequest(), metadata=self._metadata, timeout=self.config.timeout_s
-            ),
-        )
-        self.topology = Topology.from_proto(response)
-        if not self.topology.shards:
-            raise Unavailable("the store has no live shards")
-        return self.topology
+        """As `StoreClient.describe`."""
+        request, deadline = pb.DescribeRequest(), self.core.deadlines.call
 
-    async def _unary(self, shard_ids: Sequence[str], method: str, request):
+        async def describe(address: str):
+            return await self._conn.call(address, "Describe", request, deadline)
+
+        return self.core.observe(await retrying_async(self.core.describe_attempts(), describe))
+
+    async def _fresh(self) -> Topology:
+        """The topology, refreshed first when due (a failed refresh keeps the last one)."""
+        if self.core.claim_refresh():
+            self.core.refresh_done(await outcome(self.describe()))
+        return self.core.topology
+
+    async def _unary(self, attempts: Attempts, method: str, request):
+        deadline = self.core.deadlines.call
+
         async def call(shard_id: str):
-            stub = self._stub(self._address(shard_id))
-            return await getattr(stub, method)(
-                request, metadata=self._metadata, timeout=self.config.timeout_s
-            )
+            address = self.core.address(shard_id)
+            return await self._conn.call(address, method, request, deadline)
 
-        return await retrying_async(self.config, list(shard_ids), call)
+        return await retrying_async(attempts, call)
+
+    async def _on_each(self, method: str, request) -> list:
+        """`method` on every listed shard (sorted), concurrently."""
+        shards = (await self._fresh()).live
+        calls = (self._unary(self.core.attempts([s]), method, request) for s in shards)
+        return list(await asyncio.gather(*calls))
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -154,88 +158,46 @@ class AsyncStoreClient:
         self, tokens: Sequence[int], layout: KVLayout, namespace: str = ""
     ) -> CachedPrefix:
         """The longest cached prefix of `tokens` in `namespace` (tokens == 0 on a miss)."""
-        ids = validate_tokens(tokens)
-        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        if not chunks:
-            return CachedPrefix(namespace, layout, 0, ())
-        planned = lookup_requests(ids, layout, namespace, chunks, self.topology)
-        responses = await asyncio.gather(
-            *(self._unary(owners, "Lookup", request) for owners, request, _ in planned)
-        )
-        answers = {
-            c.index: response
-            for (_, _, group), response in zip(planned, responses, strict=True)
-            for c in group
-        }
-        return cached_prefix(namespace, layout, chunks, answers)
+        await self._fresh()
+        lookup = self.core.plan_lookup(tokens, layout, namespace)
+        calls = (self._unary(a, "Lookup", r) for a, r, _ in lookup.calls)
+        return lookup.result(await asyncio.gather(*calls))
 
     # ---- publish --------------------------------------------------------------------------
 
     async def publish_prefix(
-        self, tokens: Sequence[int], kv, layout: KVLayout, namespace: str = ""
-    ) -> PublishResult:
-        ids = validate_tokens(tokens)
-        if not ids:
-            raise InvalidArgument("tokens: at least one token is required")
-        layers = as_layers(kv, layout, len(ids))
-        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        streams = lanes(placement(chunks, self.topology), self.config.streams)
-        jobs = []
-        for shard_id, lane, part in streams:
-            put = self._put(shard_id, lane, namespace, layout, ids, part, layers)
-            jobs.append((shard_id, part, put))
-        results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
-        outcomes = []
-        for (shard_id, part, _), result in zip(jobs, results, strict=True):
-            if isinstance(result, BaseException) and not isinstance(result, StoreError):
-                raise result
-            outcomes.append((shard_id, part, result))
-        settled = settle(chunks, outcomes, self.topology.replication)
-        if settled.error is not None:
-            for shard_id, keys in settled.done:
-                if not keys:
-                    continue
-                request = pb.DeleteRequest(namespace=namespace, chunk_keys=keys)
-                try:
-                    await self._unary([shard_id], "Delete", request)
-                except StoreError as error:  # best effort: the chunks are valid data
-                    log.warning(
-                        "publish: could not undo %d chunks on %s: %s", len(keys), shard_id, error
-                    )
-            raise settled.error
-        prefix = CachedPrefix(namespace, layout, len(ids), tuple(chunks))
-        return PublishResult(prefix, settled.stored_bytes, settled.missing_replicas)
+        self,
+        tokens: Sequence[int],
+        kv,
+        layout: KVLayout,
+        namespace: str = "",
+        *,
+        signer: Signer | None = None,
+    ) -> policy.PublishResult:
+        """As `StoreClient.publish_prefix`."""
+        await self._fresh()
+        publish = self.core.plan_publish(tokens, kv, layout, namespace, signer)
+        results = await asyncio.gather(*(outcome(self._put(publish, s)) for s in publish.streams))
+        settled = self.core.settle(publish, list(zip(publish.streams, results, strict=True)))
+        for shard_id, request in self.core.undo(publish, settled):
+            deleted = self._unary(self.core.attempts([shard_id]), "Delete", request)
+            self.core.undone(shard_id, request, await outcome(deleted))
+        return self.core.published(publish, settled)
 
-    async def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> int:
-        async def call(target: str) -> int:
-            if self.config.data_plane and target in self.topology.data_addresses:
-                header = put_header(namespace, layout, ids, chunks)
-                ticket = await self._stub(self._address(target)).OpenPut(
-                    header, metadata=self._metadata, timeout=self.config.timeout_s
-                )
-                return await asyncio.to_thread(
-                    send_put,
-                    self.topology.data_addresses[target],
-                    redemption(ticket.ticket, self._token),
-                    layout,
-                    chunks,
-                    layers,
-                    self.config.stream_timeout_s,
-                    self._data_tls,
-                )
-            put = self._channel(self._address(target), lane).stream_unary(
-                PUT_METHOD,
-                request_serializer=_same,
-                response_deserializer=pb.PutResponse.FromString,
-            )
-            messages = put_messages(
-                namespace, layout, ids, chunks, layers, self.config.message_bytes
-            )
-            return await put(
-                iter(messages), metadata=self._metadata, timeout=self.config.stream_timeout_s
-            )
+    async def _put(self, publish: policy.Publish, stream: policy.PutStream) -> pb.PutResponse:
+        deadlines = self.core.deadlines
 
-        return await retrying_async(self.config, [shard_id], call)
+        async def call(_: str) -> pb.PutResponse:
+            if stream.data_address is None:
+                put = self._conn.bulk_put(stream.address, stream.lane)
+                messages = iter(publish.messages(stream, self.config.message_bytes))
+                return await put(messages, metadata=self._conn.metadata, timeout=deadlines.stream)
+            header = publish.header(stream)
+            ticket = await self._conn.call(stream.address, "OpenPut", header, deadlines.idle)
+            send = self._conn.send_put
+            return await asyncio.to_thread(send, publish, stream, ticket.ticket, deadlines.stream)
+
+        return await retrying_async(self.core.attempts([stream.shard_id]), call)
 
     # ---- fetch ----------------------------------------------------------------------------
 
@@ -244,107 +206,16 @@ class AsyncStoreClient:
     ) -> AsyncIterator[int]:
         """Stream layers into `k_out`/`v_out` (as `StoreClient.start_fetch`), yielding each
         layer index once it is complete."""
-        layer_end = prefix.layout.num_layers if layer_end is None else layer_end
-        if not 0 <= layer_start < layer_end <= prefix.layout.num_layers:
-            raise InvalidArgument(f"layers: [{layer_start}, {layer_end}) out of range")
-        if not prefix.chunks:
-            raise NotFound("fetch: the prefix has no cached chunks")
-        assembly = Assembly(prefix, k_out, v_out, layer_start, layer_end)
-        progress = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        assembly.listeners.append(lambda: loop.call_soon_threadsafe(progress.set))
-        tasks: set[asyncio.Task] = set()
-        cancels = Cancels()
-
-        def spread(chunks, layer_from: int, failed: frozenset, cause=None) -> None:
-            try:
-                groups = group_by_owner(chunks, self.topology, failed)
-            except NotFound as error:
-                assembly.fail(exhausted(error, failed, cause))
-                progress.set()
-                return
-            if layer_from >= layer_end or assembly.stopped:
-                return
-            for shard_id, lane, part in lanes(groups, self.config.streams):
-                task = asyncio.ensure_future(stream(shard_id, lane, part, layer_from, failed))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-
-        async def stream(shard_id, lane, chunks, layer_from, failed) -> None:
-            request = fetch_request(
-                prefix, chunks, layer_from, layer_end, self.config.message_bytes
-            )
-            try:
-                if (
-                    self.config.data_plane
-                    and assembly.direct
-                    and (shard_id in self.topology.data_addresses)
-                ):
-                    await self._stream_data_plane(shard_id, request, assembly, chunks, cancels)
-                else:
-                    await self._stream_grpc(shard_id, lane, request, assembly, chunks)
-            except Exception as error:  # noqa: BLE001 - every failure ends in the assembly
-                cause = failover_error(error)
-                if cause is None:
-                    assembly.fail(rpc_error(error) if isinstance(error, grpc.RpcError) else error)
-                else:
-                    resume = assembly.first_missing_layer(chunks)
-                    spread(chunks, resume, failed | {shard_id}, cause)
-            progress.set()
-
-        spread(list(prefix.chunks), layer_start, frozenset())
+        await self._fresh()
+        route = self.core.fetch_route(prefix, k_out, v_out, layer_start, layer_end)
+        transfer = Transfer(self, route)
+        transfer.run(route.start())
         try:
-            for layer in range(layer_start, layer_end):
-                while not assembly.layer_ready(layer):
-                    if assembly.error is not None:
-                        raise assembly.error
-                    if not tasks:
-                        raise Unavailable(f"fetch: layer {layer} never arrived")
-                    progress.clear()
-                    try:
-                        await asyncio.wait_for(progress.wait(), self.config.stream_timeout_s)
-                    except TimeoutError as error:
-                        raise Unavailable(
-                            f"fetch: layer {layer} did not arrive within "
-                            f"{self.config.stream_timeout_s:.0f} s"
-                        ) from error
+            for layer in range(route.assembly.layer_start, route.assembly.layer_end):
+                await transfer.wait_layer(layer, self.core.deadlines.stream)
                 yield layer
         finally:
-            # Cut the streams, then wait for them: nothing may write into the outputs after.
-            assembly.close()
-            cancels.cancel_all()
-            if tasks:
-                await asyncio.wait(list(tasks), timeout=self.config.timeout_s)
-            for task in list(tasks):
-                task.cancel()
-
-    async def _stream_grpc(self, shard_id, lane, request, assembly, chunks) -> None:
-        fetch = self._channel(self._address(shard_id), lane).unary_stream(
-            FETCH_METHOD,
-            request_serializer=pb.FetchRequest.SerializeToString,
-            response_deserializer=_same,
-        )
-        async for raw in fetch(
-            request, metadata=self._metadata, timeout=self.config.stream_timeout_s
-        ):
-            assembly.apply(chunks, raw)
-
-    async def _stream_data_plane(self, shard_id, request, assembly, chunks, cancels) -> None:
-        ticket = await self._stub(self._address(shard_id)).OpenFetch(
-            request, metadata=self._metadata, timeout=self.config.timeout_s
-        )
-        address = self.topology.data_addresses[shard_id]
-        await asyncio.to_thread(
-            receive,
-            address,
-            redemption(ticket.ticket, self._token),
-            assembly,
-            chunks,
-            request.layer_start,
-            self.config.timeout_s,
-            cancels.track,
-            self._data_tls,
-        )
+            await transfer.close(self.core.deadlines.call)
 
     async def fetch_layers(self, prefix, k_out, v_out, layer_start=0, layer_end=None) -> int:
         """Stream all requested layers into the outputs; returns the bytes received."""
@@ -355,67 +226,66 @@ class AsyncStoreClient:
             end - layer_start
         )
 
+    async def _stream_grpc(self, stream: policy.FetchStream, assembly) -> None:
+        fetch = self._conn.bulk_fetch(stream.address, stream.lane)
+        deadline = self.core.deadlines.stream
+        async for raw in fetch(stream.request, metadata=self._conn.metadata, timeout=deadline):
+            assembly.apply(stream.chunks, raw)
+
+    async def _stream_data_plane(self, stream: policy.FetchStream, assembly, cancels) -> None:
+        idle, request = self.core.deadlines.idle, stream.request
+        ticket = await self._conn.call(stream.address, "OpenFetch", request, idle)
+        redeem, tls = redemption(ticket.ticket, self._conn.token), self._conn.data_tls
+        args = (assembly, stream.chunks, request.layer_start, idle, cancels.track, tls)
+        await asyncio.to_thread(receive, stream.data_address, redeem, *args)
+
     # ---- artifacts, delete, stats ---------------------------------------------------------
 
-    async def put_artifact(self, prefix: CachedPrefix, spec: str, data: bytes) -> int:
-        ident = artifact_id(prefix, spec)
-        step = self.config.message_bytes
+    async def put_artifact(
+        self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None = None
+    ) -> int:
+        """As `StoreClient.put_artifact`."""
+        await self._fresh()
+        ident = self.core.artifact_id(prefix, spec, data, signer)
+        owners = self.core.artifact_owners(prefix, spec)
+        puts = (outcome(self._put_artifact(s, ident, data)) for s in owners)
+        return self.core.artifact_stored(list(await asyncio.gather(*puts)))
 
-        async def put(shard_id: str) -> int:
-            async def call(target: str) -> int:
-                stub = self._stub(self._address(target))
-                response = await stub.PutArtifact(
-                    artifact_messages(ident, data, step),
-                    metadata=self._metadata,
-                    timeout=self.config.stream_timeout_s,
-                )
-                return response.stored_bytes
+    async def _put_artifact(self, shard_id: str, ident: pb.ArtifactId, data: bytes) -> int:
+        async def call(target: str) -> int:
+            messages = artifact_messages(ident, data, self.config.message_bytes)
+            deadline, address = self.core.deadlines.stream, self.core.address(target)
+            response = await self._conn.call(address, "PutArtifact", messages, deadline)
+            return response.stored_bytes
 
-            return await retrying_async(self.config, [shard_id], call)
+        return await retrying_async(self.core.attempts([shard_id]), call)
 
-        owners = self.topology.owners(artifact_placement(prefix.key, spec))
-        results = await asyncio.gather(*(put(s) for s in owners), return_exceptions=True)
-        if all(isinstance(r, BaseException) for r in results):
-            raise results[0]
-        return sum(r for r in results if not isinstance(r, BaseException))
+    async def fetch_artifact(
+        self, prefix: CachedPrefix, spec: str, verifier: Verifier | None = None
+    ) -> bytes | None:
+        """As `StoreClient.fetch_artifact`."""
+        await self._fresh()
+        search = self.core.artifact_search(prefix, spec, verifier)
 
-    async def fetch_artifact(self, prefix: CachedPrefix, spec: str) -> bytes | None:
-        request = pb.FetchArtifactRequest(
-            id=artifact_id(prefix, spec), max_message_bytes=self.config.message_bytes
-        )
-        for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
-            stub = self._stub(self._address(shard_id))
-            try:
-                parts, crc = [], None
-                async for message in stub.FetchArtifact(
-                    request, metadata=self._metadata, timeout=self.config.stream_timeout_s
-                ):
-                    parts.append(message.data)
-                    crc = message.crc32c  # carried by the last message
-            except grpc.RpcError as error:
-                if error.code() in FAILOVER:
-                    continue
-                raise rpc_error(error) from error
-            data = b"".join(parts)
-            if crc is not None and crc32c(data) == crc:
-                return data
-        return None
+        async def read(shard_id: str) -> ArtifactReceipt:
+            receipt = ArtifactReceipt()
+            address, deadline = self.core.address(shard_id), self.core.deadlines.stream
+            async for message in self._conn.call(
+                address, "FetchArtifact", search.request, deadline
+            ):
+                receipt.add(message)
+            return receipt
+
+        for shard_id in search:
+            reading = retrying_async(self.core.attempts([shard_id]), read)
+            search.take(shard_id, await outcome(reading))
+        return search.found
 
     async def delete_prefix(self, tokens, layout: KVLayout, namespace: str = "") -> int:
-        request = pb.DeleteRequest(
-            namespace=namespace, layout=layout.to_proto(pb), token_ids=validate_tokens(tokens)
-        )
-        responses = await asyncio.gather(
-            *(self._unary([s], "Delete", request) for s in self.topology.shards)
-        )
-        return sum(r.bytes for r in responses)
+        """As `StoreClient.delete_prefix`."""
+        request = self.core.delete_request(tokens, layout, namespace)
+        return sum(response.bytes for response in await self._on_each("Delete", request))
 
     async def stats(self) -> list[pb.StatsResponse]:
-        return list(
-            await asyncio.gather(
-                *(
-                    self._unary([s], "Stats", pb.StatsRequest())
-                    for s in sorted(self.topology.shards)
-                )
-            )
-        )
+        """As `StoreClient.stats`."""
+        return await self._on_each("Stats", pb.StatsRequest())

@@ -50,6 +50,9 @@ class Topology:
     replication: int
     data_addresses: dict[str, str]
     """shard id -> address of its bulk data plane (shards without one are absent)"""
+    absent: frozenset[str] = frozenset()
+    """Shards of the placement set the last Describe did not list: they keep their chunks'
+    placement for a grace period, and calls route around them (see `client.membership`)."""
 
     @classmethod
     def from_proto(cls, response) -> Topology:
@@ -60,6 +63,11 @@ class Topology:
             replication=max(1, response.replication),
             data_addresses={s.shard_id: s.data_address for s in response.shards if s.data_address},
         )
+
+    @property
+    def live(self) -> list[str]:
+        """The shards Describe listed last, sorted."""
+        return sorted(s for s in self.shards if s not in self.absent)
 
     def salt(self, namespace: str) -> bytes:
         if namespace not in self.salts:
@@ -497,22 +505,17 @@ def settle(chunks, outcomes, replication: int) -> Settled:
     return Settled(stored, done, missing, error)
 
 
-def lookup_requests(
-    ids: list[int], layout: KVLayout, namespace: str, chunks: Sequence[ChunkPlan], topology
-) -> list[tuple[list[str], pb.LookupRequest, list[ChunkPlan]]]:
-    """One Lookup per best live owner: (owners to try in order, request, its chunks)."""
-    out = []
-    for shard_id, group in group_by_owner(chunks, topology).items():
-        end = max(c.start + c.tokens for c in group)
-        request = pb.LookupRequest(
-            namespace=namespace,
-            layout=layout.to_proto(pb),
-            token_ids=ids[:end],
-            chunk_indices=[c.index for c in group],
-        )
-        others = [s for s in topology.owners(group[0].parent) if s != shard_id]
-        out.append(([shard_id, *others], request, group))
-    return out
+def lookup_request(
+    ids: list[int], layout: KVLayout, namespace: str, chunks: Sequence[ChunkPlan]
+) -> pb.LookupRequest:
+    """The Lookup of `chunks` (all on the same owners) of the token sequence `ids`."""
+    end = max(c.start + c.tokens for c in chunks)
+    return pb.LookupRequest(
+        namespace=namespace,
+        layout=layout.to_proto(pb),
+        token_ids=ids[:end],
+        chunk_indices=[c.index for c in chunks],
+    )
 
 
 def cached_prefix(
@@ -584,3 +587,25 @@ def artifact_messages(ident: pb.ArtifactId, data: bytes, step: int) -> Iterator:
     for start in range(0, len(data), step):
         yield pb.PutArtifactRequest(data=data[start : start + step])
     yield pb.PutArtifactRequest(crc32c=crc32c(data))
+
+
+class ArtifactReceipt:
+    """A FetchArtifact stream as it arrives: the data, the signature (carried by the first
+    message) and the checksum (by the last)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.crc: int | None = None
+        self.signature = b""
+
+    def add(self, message: pb.FetchArtifactResponse) -> None:
+        self.parts.append(message.data)
+        self.crc = message.crc32c
+        self.signature = self.signature or message.signature
+
+    def data(self) -> bytes:
+        """The artifact's bytes; DataLoss when they differ from the checksum sent."""
+        data = b"".join(self.parts)
+        if self.crc is None or crc32c(data) != self.crc:
+            raise DataLoss("fetch_artifact: the artifact arrived corrupted")
+        return data

@@ -1,11 +1,12 @@
 """The client's one retry policy: retry only on UNAVAILABLE, with capped exponential backoff,
-moving through the candidate shards; every other status becomes a typed error at once."""
+moving through the candidate targets; every other status becomes a typed error at once.
+`Attempts` is the policy without I/O; `retrying` and `retrying_async` only call and sleep."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
@@ -34,32 +35,55 @@ def retryable(error: grpc.RpcError | Unavailable) -> StoreError:
     raise rpc_error(error) from error
 
 
-def retrying(config: ClientConfig, targets: Sequence[str], call: Callable[[str], T]) -> T:
+class Attempts:
+    """One call's attempts: `config.retries` of them over `targets` in turn. `on_unavailable`
+    hears of each target that failed UNAVAILABLE (the client quarantines it)."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        targets: Sequence[str],
+        on_unavailable: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config, self.targets, self.on_unavailable = config, list(targets), on_unavailable
+        self.attempt = 0
+        self.last: StoreError | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for attempt in range(self.config.retries):
+            self.attempt = attempt
+            yield self.targets[attempt % len(self.targets)]
+
+    def failed(self, target: str, error: grpc.RpcError | Unavailable) -> float:
+        """Seconds to wait before the next attempt; raises the typed error at once if no
+        retry can help."""
+        self.last = retryable(error)
+        if self.on_unavailable is not None:
+            self.on_unavailable(target)
+        return backoff(self.config, self.attempt) if self.attempt + 1 < self.config.retries else 0
+
+    def exhausted(self) -> Unavailable:
+        return Unavailable(
+            f"{len(self.targets)} shard(s) unavailable after {self.config.retries} attempts: "
+            f"{self.last}"
+        )
+
+
+def retrying(attempts: Attempts, call: Callable[[str], T]) -> T:
     """`call(target)` on the targets in turn until one answers; UNAVAILABLE moves on."""
-    last: StoreError | None = None
-    for attempt in range(config.retries):
-        target = targets[attempt % len(targets)]
+    for target in attempts:
         try:
             return call(target)
         except (grpc.RpcError, Unavailable) as error:
-            last = retryable(error)
-            time.sleep(backoff(config, attempt))
-    raise Unavailable(
-        f"{len(targets)} shard(s) unavailable after {config.retries} attempts: {last}"
-    )
+            time.sleep(attempts.failed(target, error))
+    raise attempts.exhausted()
 
 
-async def retrying_async(
-    config: ClientConfig, targets: Sequence[str], call: Callable[[str], Awaitable[T]]
-) -> T:
-    last: StoreError | None = None
-    for attempt in range(config.retries):
-        target = targets[attempt % len(targets)]
+async def retrying_async(attempts: Attempts, call: Callable[[str], Awaitable[T]]) -> T:
+    """`retrying` for coroutines."""
+    for target in attempts:
         try:
             return await call(target)
         except (grpc.RpcError, Unavailable) as error:
-            last = retryable(error)
-            await asyncio.sleep(backoff(config, attempt))
-    raise Unavailable(
-        f"{len(targets)} shard(s) unavailable after {config.retries} attempts: {last}"
-    )
+            await asyncio.sleep(attempts.failed(target, error))
+    raise attempts.exhausted()

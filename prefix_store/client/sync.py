@@ -1,120 +1,54 @@
-"""The synchronous client SDK: chunking, placement, retries and failover hidden behind
-`lookup`, `publish_prefix`, `fetch_layers`/`start_fetch` and artifact calls.
+"""The synchronous client SDK: `lookup`, `publish_prefix`, `fetch_layers`/`start_fetch`
+and artifact calls, on threads. An I/O shell over `client.core.ClientCore`, which decides
+placement, failover, quarantine, retries, deadlines, membership refresh and the undo of a
+failed publish (the same for `AsyncStoreClient`).
 
-Thread-safe. Every call has a deadline (`ClientConfig`). Transfers run on parallel
-streams (`ClientConfig.streams`, at least one per shard, on separate connections) straight
-into caller-owned tensors; a stream that fails with UNAVAILABLE, DATA_LOSS or NOT_FOUND
-continues from its first incomplete layer on the next replica of its chunks.
+Thread-safe. Transfers run on parallel streams (`ClientConfig.streams`, at least one per
+shard, on separate connections) straight into caller-owned tensors.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import ssl
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 
-import grpc
 from vericache.v1 import prefix_store_pb2 as pb
-from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store.blob import crc32c
+from prefix_store.client.channels import Connections
+from prefix_store.client.core import (
+    ClientCore,
+    FetchRoute,
+    FetchStream,
+    Publish,
+    PublishResult,
+    PutStream,
+)
 from prefix_store.client.plan import (
+    ArtifactReceipt,
     Assembly,
     CachedPrefix,
     Topology,
-    artifact_id,
     artifact_messages,
-    artifact_statement_of,
-    as_layers,
-    cached_prefix,
-    fetch_request,
-    group_by_owner,
-    lanes,
-    lookup_requests,
-    placement,
-    plan_chunks,
-    put_header,
-    put_messages,
-    settle,
-    signed_chunks,
 )
-from prefix_store.client.retry import retrying, rpc_error
-from prefix_store.client.transfer import receive, send_put
+from prefix_store.client.retry import Attempts, retrying
+from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
 from prefix_store.data_plane import redemption
-from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
+from prefix_store.errors import StoreError
 from prefix_store.layout import KVLayout
 from prefix_store.provenance import Signer, Verifier
-from prefix_store.shard import validate_tokens
-from prefix_store.status import FAILOVER
-from prefix_store.tls import client_context, make_channel
+from prefix_store.tls import make_channel
 
-log = logging.getLogger(__name__)
+__all__ = ["FetchHandle", "PublishResult", "StoreClient", "receive"]
 
 
-PUT_METHOD = "/vericache.v1.PrefixStore/Put"
-FETCH_METHOD = "/vericache.v1.PrefixStore/Fetch"
-
-
-def _same(raw: bytes) -> bytes:
-    return raw
-
-
-def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.http2.lookahead_bytes", config.window_bytes),
-        ("grpc.http2.bdp_probe", 1),
-        ("grpc.use_local_subchannel_pool", 1),
-        ("grpc.enable_retries", 0),
-        # A peer that stops answering is found within ~idle_timeout_s, not at the deadline.
-        ("grpc.keepalive_time_ms", int(config.idle_timeout_s * 500)),
-        ("grpc.keepalive_timeout_ms", int(config.idle_timeout_s * 500)),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
-
-
-def data_plane_tls(config: ClientConfig) -> ssl.SSLContext | None:
-    """The data plane's TLS context for `config.tls` (built once per client); None: plain."""
-    return client_context(config.tls) if config.tls is not None else None
-
-
-def exhausted(error: NotFound, failed: frozenset, cause: StoreError | None) -> StoreError:
-    """The error of a fetch that ran out of replicas: a miss (NOT_FOUND, or corrupt
-    everywhere) stays a miss; otherwise the shards were unavailable."""
-    detail = f"fetch: {error} (tried {', '.join(sorted(failed))})"
-    if isinstance(cause, NotFound | DataLoss):
-        return NotFound(f"{detail}: {cause}")
-    return Unavailable(f"{detail}: {cause}" if cause else detail)
-
-
-def failover_error(error: BaseException) -> StoreError | None:
-    """The typed error of a failed fetch stream if another replica may succeed, else None."""
-    if isinstance(error, grpc.RpcError):
-        return rpc_error(error) if error.code() in FAILOVER else None
-    if isinstance(error, Unavailable | DataLoss | NotFound):
+def outcome(call, *args):
+    """`call(*args)`, or the StoreError it raised."""
+    try:
+        return call(*args)
+    except StoreError as error:
         return error
-    return None
-
-
-def artifact_placement(prefix_key: int, spec: str) -> int:
-    digest = hashlib.blake2b(prefix_key.to_bytes(8, "big") + spec.encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "big")
-
-
-@dataclass(frozen=True, slots=True)
-class PublishResult:
-    prefix: CachedPrefix
-    stored_bytes: int
-    """Bytes newly stored, replicas included (chunks already present cost nothing)."""
-    missing_replicas: int
-    """Chunk copies that could not be placed (their shard was down); each chunk has >= 1."""
 
 
 class FetchHandle:
@@ -127,17 +61,17 @@ class FetchHandle:
     def __init__(self, assembly: Assembly, timeout_s: float) -> None:
         self.assembly = assembly
         self.timeout_s = timeout_s
-        self._calls: list = []
+        self._streams = Cancels()
         self._lanes: list[futures.Future] = []
         self._lock = threading.Lock()
-        self.cancelled = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._streams.cancelled
 
     def track(self, call) -> None:
         """Register something with a `cancel()` (a gRPC call, a data-plane socket)."""
-        with self._lock:
-            self._calls.append(call)
-            if self.cancelled:
-                call.cancel()
+        self._streams.track(call)
 
     def add_lane(self, lane: futures.Future) -> None:
         with self._lock:
@@ -158,11 +92,8 @@ class FetchHandle:
 
     def cancel(self) -> None:
         """Cut every stream and wait until none can write into the outputs any more."""
-        with self._lock:
-            self.cancelled = True
-            self.assembly.close()
-            for call in self._calls:
-                call.cancel()
+        self.assembly.close()
+        self._streams.cancel_all()
         while True:
             with self._lock:
                 pending = [lane for lane in self._lanes if not lane.done()]
@@ -175,75 +106,30 @@ class StoreClient:
     def __init__(
         self, endpoints: str | Sequence[str], token: str, config: ClientConfig | None = None
     ) -> None:
-        self.config = config or ClientConfig()
-        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        if not self.endpoints:
-            raise InvalidArgument("endpoints: at least one host:port is required")
-        self._metadata = (("authorization", f"Bearer {token}"),)
-        self._token = token
-        self._data_tls = data_plane_tls(self.config)
-        self._channels: dict[tuple[str, int], grpc.Channel] = {}
-        self._lock = threading.Lock()
+        self.core = ClientCore(endpoints, config)
+        self.config, self.endpoints = self.core.config, self.core.endpoints
+        self._conn = Connections(self.config, token, make_channel)
+        self._metadata = self._conn.metadata
         self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="store-client")
-        self.topology: Topology | None = None
-        self._down: dict[str, float] = {}
-        """Shards that failed recently -> until when (monotonic) to prefer their replicas."""
         try:
             self.describe()
         except BaseException:
             self.close()  # an unknown token or no store: nothing of this client stays open
             raise
 
-    # ---- plumbing -------------------------------------------------------------------------
-
-    def _channel(self, address: str, lane: int = 0) -> grpc.Channel:
-        with self._lock:
-            channel = self._channels.get((address, lane))
-            if channel is None:
-                channel = make_channel(address, channel_options(self.config), self.config.tls)
-                self._channels[(address, lane)] = channel
-        return channel
-
-    def _stub(self, address: str, lane: int = 0) -> pb_grpc.PrefixStoreStub:
-        return pb_grpc.PrefixStoreStub(self._channel(address, lane))
-
-    def _bulk_put(self, address: str, lane: int):
-        """Put taking serialised requests (built by `plan.put_messages`)."""
-        return self._channel(address, lane).stream_unary(
-            PUT_METHOD, request_serializer=_same, response_deserializer=pb.PutResponse.FromString
-        )
-
-    def _bulk_fetch(self, address: str, lane: int):
-        """Fetch returning serialised responses (parsed by `Assembly.apply`)."""
-        return self._channel(address, lane).unary_stream(
-            FETCH_METHOD,
-            request_serializer=pb.FetchRequest.SerializeToString,
-            response_deserializer=_same,
-        )
-
-    def _address(self, shard_id: str) -> str:
-        return self.topology.shards[shard_id]
-
-    def _suspect(self, shard_id: str) -> None:
-        with self._lock:
-            self._down[shard_id] = time.monotonic() + self.config.quarantine_s
+    @property
+    def topology(self) -> Topology:
+        """The shards chunks are placed on (see `client.membership`), the caller's salts."""
+        return self.core.topology
 
     def suspects(self) -> frozenset[str]:
         """Shards that failed within the last `quarantine_s`."""
-        now = time.monotonic()
-        with self._lock:
-            return frozenset(s for s, until in self._down.items() if until > now)
-
-    def _healthy_first(self, shard_ids: Sequence[str]) -> list[str]:
-        suspects = self.suspects()
-        return sorted(shard_ids, key=lambda shard_id: shard_id in suspects)
+        return self.core.suspects()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+        for channel in self._conn.take():
+            channel.close()
 
     def __enter__(self) -> StoreClient:
         return self
@@ -251,52 +137,50 @@ class StoreClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _stub(self, address: str, lane: int = 0):
+        return self._conn.stub(address, lane)
+
+    def _bulk_put(self, address: str, lane: int):
+        return self._conn.bulk_put(address, lane)
+
+    # ---- membership and unary calls -------------------------------------------------------
+
     def describe(self) -> Topology:
-        """Ask any endpoint (or known shard) who we are and which shards are live."""
-        known = list(self.topology.shards.values()) if self.topology else []
-        targets = list(dict.fromkeys(self.endpoints + known))
-        response = retrying(
-            self.config,
-            targets,
-            lambda address: self._stub(address).Describe(
-                pb.DescribeRequest(), metadata=self._metadata, timeout=self.config.timeout_s
-            ),
-        )
-        self.topology = Topology.from_proto(response)
-        if not self.topology.shards:
-            raise Unavailable("the store has no live shards")
-        return self.topology
+        """Ask any endpoint (or known shard) who we are and which shards are live; the
+        membership then follows the rule of `client.membership`."""
+        request, deadline = pb.DescribeRequest(), self.core.deadlines.call
+        describe = lambda address: self._conn.call(address, "Describe", request, deadline)  # noqa: E731
+        return self.core.observe(retrying(self.core.describe_attempts(), describe))
 
-    def _unary(self, shard_ids: Sequence[str], method: str, request):
-        def call(shard_id: str):
-            stub = self._stub(self._address(shard_id))
-            try:
-                return getattr(stub, method)(
-                    request, metadata=self._metadata, timeout=self.config.timeout_s
-                )
-            except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._suspect(shard_id)
-                raise
+    def _fresh(self) -> Topology:
+        """The topology, refreshed first when due (a failed refresh keeps the last one)."""
+        if self.core.claim_refresh():
+            self.core.refresh_done(outcome(self.describe))
+        return self.core.topology
 
-        return retrying(self.config, self._healthy_first(shard_ids), call)
+    def _unary(self, attempts: Attempts, method: str, request):
+        deadline = self.core.deadlines.call
+        call = lambda shard_id: self._conn.call(
+            self.core.address(shard_id), method, request, deadline
+        )  # noqa: E731
+        return retrying(attempts, call)
+
+    def _on_each(self, method: str, request) -> list:
+        """`method` on every listed shard (sorted), in parallel."""
+        jobs = [
+            self._pool.submit(self._unary, self.core.attempts([s]), method, request)
+            for s in self._fresh().live
+        ]
+        return [job.result() for job in jobs]
 
     # ---- lookup ---------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], layout: KVLayout, namespace: str = "") -> CachedPrefix:
         """The longest cached prefix of `tokens` in `namespace` (tokens == 0 on a miss)."""
-        ids = validate_tokens(tokens)
-        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        if not chunks:
-            return CachedPrefix(namespace, layout, 0, ())
-        jobs = {
-            self._pool.submit(self._unary, owners, "Lookup", request): group
-            for owners, request, group in lookup_requests(
-                ids, layout, namespace, chunks, self.topology
-            )
-        }
-        answers = {c.index: job.result() for job, group in jobs.items() for c in group}
-        return cached_prefix(namespace, layout, chunks, answers)
+        self._fresh()
+        lookup = self.core.plan_lookup(tokens, layout, namespace)
+        jobs = [self._pool.submit(self._unary, a, "Lookup", r) for a, r, _ in lookup.calls]
+        return lookup.result([job.result() for job in jobs])
 
     # ---- publish --------------------------------------------------------------------------
 
@@ -312,74 +196,30 @@ class StoreClient:
         head_dim], or a tensor [layers, 2, kv_heads, tokens, head_dim]) on every owner of
         every chunk. Each shard's part is a two-phase put: all of it or nothing. Chunks are
         signed with `signer` when given (decoders: the KV is the model's own exact KV);
-        without it they are stored unsigned, which no decoder verifies against."""
-        ids = validate_tokens(tokens)
-        if not ids:
-            raise InvalidArgument("tokens: at least one token is required")
-        layers = as_layers(kv, layout, len(ids))
-        chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        if signer is not None:
-            chunks = signed_chunks(signer, layout, ids, chunks, layers)
-        streams = lanes(placement(chunks, self.topology), self.config.streams)
-        jobs = {}
-        for shard_id, lane, part in streams:
-            job = self._pool.submit(self._put, shard_id, lane, namespace, layout, ids, part, layers)
-            jobs[job] = (shard_id, part)
-        return self._publish_result(jobs, chunks, namespace, layout)
+        without it they are stored unsigned, which no decoder verifies against. A publish
+        that leaves a chunk without any copy (or fails other than UNAVAILABLE) is undone."""
+        self._fresh()
+        publish = self.core.plan_publish(tokens, kv, layout, namespace, signer)
+        jobs = [(s, self._pool.submit(self._put, publish, s)) for s in publish.streams]
+        settled = self.core.settle(publish, [(s, outcome(job.result)) for s, job in jobs])
+        for shard_id, request in self.core.undo(publish, settled):
+            attempts = self.core.attempts([shard_id])
+            self.core.undone(shard_id, request, outcome(self._unary, attempts, "Delete", request))
+        return self.core.published(publish, settled)
 
-    def _publish_result(self, jobs, chunks, namespace, layout) -> PublishResult:
-        outcomes = []
-        for job, (shard_id, part) in jobs.items():
-            try:
-                outcomes.append((shard_id, part, job.result()))
-            except StoreError as error:
-                log.warning("publish: shard %s failed: %s", shard_id, error)
-                outcomes.append((shard_id, part, error))
-        settled = settle(chunks, outcomes, self.topology.replication)
-        if settled.error is not None:
-            self._undo(namespace, settled.done)
-            raise settled.error
-        prefix = CachedPrefix(namespace, layout, sum(c.tokens for c in chunks), tuple(chunks))
-        return PublishResult(prefix, settled.stored_bytes, settled.missing_replicas)
+    def _put(self, publish: Publish, stream: PutStream) -> pb.PutResponse:
+        deadlines = self.core.deadlines
 
-    def _undo(self, namespace: str, done: list[tuple[str, list[int]]]) -> None:
-        """Delete the chunks a failed publish stored (best effort: they are valid data)."""
-        for shard_id, keys in done:
-            if not keys:
-                continue
-            try:
-                self._unary(
-                    [shard_id], "Delete", pb.DeleteRequest(namespace=namespace, chunk_keys=keys)
-                )
-            except StoreError as error:
-                log.warning(
-                    "publish: could not undo %d chunks on %s: %s", len(keys), shard_id, error
-                )
+        def call(_: str) -> pb.PutResponse:
+            if stream.data_address is not None:
+                header = publish.header(stream)
+                ticket = self._conn.call(stream.address, "OpenPut", header, deadlines.idle)
+                return self._conn.send_put(publish, stream, ticket.ticket, deadlines.stream)
+            messages = publish.messages(stream, self.config.message_bytes)
+            put = self._conn.bulk_put(stream.address, stream.lane)
+            return put(messages, metadata=self._metadata, timeout=deadlines.stream)
 
-    def _put(self, shard_id, lane, namespace, layout, ids, chunks, layers) -> pb.PutResponse:
-        def call(target: str) -> pb.PutResponse:
-            if self.config.data_plane and target in self.topology.data_addresses:
-                header = put_header(namespace, layout, ids, chunks)
-                ticket = self._stub(self._address(target)).OpenPut(
-                    header, metadata=self._metadata, timeout=self.config.timeout_s
-                )
-                address = self.topology.data_addresses[target]
-                return send_put(
-                    address,
-                    redemption(ticket.ticket, self._token),
-                    layout,
-                    chunks,
-                    layers,
-                    self.config.stream_timeout_s,
-                    self._data_tls,
-                )
-            put = self._bulk_put(self._address(target), lane)
-            messages = put_messages(
-                namespace, layout, ids, chunks, layers, self.config.message_bytes
-            )
-            return put(messages, metadata=self._metadata, timeout=self.config.stream_timeout_s)
-
-        return retrying(self.config, [shard_id], call)
+        return retrying(self.core.attempts([stream.shard_id]), call)
 
     # ---- fetch ----------------------------------------------------------------------------
 
@@ -393,15 +233,12 @@ class StoreClient:
     ) -> FetchHandle:
         """Begin streaming layers [layer_start, layer_end) of the cached prefix into
         `k_out`/`v_out` ([layers in range, kv_heads, >= prefix.tokens, head_dim] each, row 0
-        = layer_start). Returns at once; the handle says when each layer is complete."""
-        layer_end = prefix.layout.num_layers if layer_end is None else layer_end
-        if not 0 <= layer_start < layer_end <= prefix.layout.num_layers:
-            raise InvalidArgument(f"layers: [{layer_start}, {layer_end}) out of range")
-        if not prefix.chunks:
-            raise NotFound("fetch: the prefix has no cached chunks")
-        assembly = Assembly(prefix, k_out, v_out, layer_start, layer_end)
-        handle = FetchHandle(assembly, self.config.stream_timeout_s)
-        self._spread(handle, list(prefix.chunks), layer_start, frozenset())
+        = layer_start). Returns at once; the handle says when each layer is complete. A
+        stream that fails continues on a replica (see `client.core`)."""
+        self._fresh()
+        route = self.core.fetch_route(prefix, k_out, v_out, layer_start, layer_end)
+        handle = FetchHandle(route.assembly, self.core.deadlines.stream)
+        self._run(handle, route, route.start())
         return handle
 
     def fetch_layers(
@@ -422,83 +259,40 @@ class StoreClient:
         finally:
             handle.cancel()
 
-    def _spread(
-        self, handle: FetchHandle, chunks, layer_from: int, failed: frozenset, cause=None
-    ) -> None:
-        """Start streams for `chunks` from `layer_from` on their best owners not in `failed`,
-        avoiding shards that failed recently while a replica is left; when none is left,
-        fail with what the last owner said."""
-        try:
-            groups = self._owner_groups(chunks, failed)
-        except NotFound as error:
-            handle.assembly.fail(exhausted(error, failed, cause))
-            return
-        if layer_from >= handle.assembly.layer_end or handle.cancelled:
-            return
-        for shard_id, lane, part in lanes(groups, self.config.streams):
-            handle.add_lane(
-                self._pool.submit(self._stream, handle, shard_id, lane, part, layer_from, failed)
-            )
+    def _run(self, handle: FetchHandle, route: FetchRoute, streams: list[FetchStream]) -> None:
+        for stream in streams:
+            handle.add_lane(self._pool.submit(self._stream, handle, route, stream))
 
-    def _owner_groups(self, chunks, failed: frozenset) -> dict[str, list]:
-        """Chunks by best owner not in `failed`, leaving out suspects where a replica is."""
+    def _stream(self, handle: FetchHandle, route: FetchRoute, stream: FetchStream) -> None:
         try:
-            return group_by_owner(chunks, self.topology, failed | self.suspects())
-        except NotFound:
-            return group_by_owner(chunks, self.topology, failed)
-
-    def _stream(self, handle: FetchHandle, shard_id, lane, chunks, layer_from, failed) -> None:
-        """Fetch `chunks` from one shard (data plane when offered, else gRPC); on a failure
-        another replica may fix, continue from the first incomplete layer elsewhere."""
-        assembly = handle.assembly
-        request = fetch_request(
-            assembly.prefix, chunks, layer_from, assembly.layer_end, self.config.message_bytes
-        )
-        try:
-            if self._use_data_plane(shard_id, assembly):
-                self._stream_data_plane(handle, shard_id, request, chunks, layer_from)
+            if stream.data_address is not None:
+                self._stream_data_plane(handle, stream)
             else:
-                self._stream_grpc(handle, shard_id, lane, request, chunks)
-        except Exception as error:  # noqa: BLE001 - every failure ends in the assembly
-            if handle.cancelled:
-                return
-            cause = failover_error(error)
-            if cause is None:
-                assembly.fail(rpc_error(error) if isinstance(error, grpc.RpcError) else error)
-                return
-            log.warning("fetch: shard %s failed (%s); continuing from a replica", shard_id, cause)
-            if isinstance(cause, Unavailable):
-                self._suspect(shard_id)
-            resume = assembly.first_missing_layer(chunks)
-            self._spread(handle, chunks, resume, failed | {shard_id}, cause)
+                self._stream_grpc(handle, stream)
+        except Exception as error:  # noqa: BLE001 - the route decides: replica or failure
+            self._run(handle, route, route.failed(stream, error))
 
-    def _use_data_plane(self, shard_id: str, assembly: Assembly) -> bool:
-        return (
-            self.config.data_plane and assembly.direct and shard_id in self.topology.data_addresses
-        )
-
-    def _stream_grpc(self, handle, shard_id, lane, request, chunks) -> None:
-        call = self._bulk_fetch(self._address(shard_id), lane)(
-            request, metadata=self._metadata, timeout=self.config.stream_timeout_s
-        )
+    def _stream_grpc(self, handle: FetchHandle, stream: FetchStream) -> None:
+        fetch = self._conn.bulk_fetch(stream.address, stream.lane)
+        call = fetch(stream.request, metadata=self._metadata, timeout=self.core.deadlines.stream)
         handle.track(call)
         for response in call:
-            handle.assembly.apply(chunks, response)
+            handle.assembly.apply(stream.chunks, response)
 
-    def _stream_data_plane(self, handle, shard_id, request, chunks, layer_from) -> None:
-        ticket = self._stub(self._address(shard_id)).OpenFetch(
-            request, metadata=self._metadata, timeout=self.config.idle_timeout_s
-        )
-        address = self.topology.data_addresses[shard_id]
+    def _stream_data_plane(self, handle: FetchHandle, stream: FetchStream) -> None:
+        idle = self.core.deadlines.idle
+        ticket = self._conn.call(stream.address, "OpenFetch", stream.request, idle)
+        redeem = redemption(ticket.ticket, self._conn.token)
+        layer_from = stream.request.layer_start
         receive(
-            address,
-            redemption(ticket.ticket, self._token),
+            stream.data_address,
+            redeem,
             handle.assembly,
-            chunks,
+            stream.chunks,
             layer_from,
-            self.config.idle_timeout_s,
+            idle,
             track=handle.track,
-            tls=self._data_tls,
+            tls=self._conn.data_tls,
         )
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
@@ -507,86 +301,49 @@ class StoreClient:
         self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None = None
     ) -> int:
         """Store a compressed artifact of a cached prefix on all its owners (signed with
-        `signer` when given)."""
-        signature = b""
-        if signer is not None:
-            signature = signer.sign(artifact_statement_of(prefix, spec, data))
-        ident = artifact_id(prefix, spec, signature)
-        owners = self.topology.owners(artifact_placement(prefix.key, spec))
-        step = self.config.message_bytes
+        `signer` when given); returns the bytes stored. Fails when no owner took it."""
+        self._fresh()
+        ident = self.core.artifact_id(prefix, spec, data, signer)
+        owners = self.core.artifact_owners(prefix, spec)
+        jobs = [self._pool.submit(self._put_artifact, s, ident, data) for s in owners]
+        return self.core.artifact_stored([outcome(job.result) for job in jobs])
 
-        def put(shard_id: str) -> int:
-            def call(target: str) -> int:
-                stub = self._stub(self._address(target))
-                return stub.PutArtifact(
-                    artifact_messages(ident, data, step),
-                    metadata=self._metadata,
-                    timeout=self.config.stream_timeout_s,
-                ).stored_bytes
+    def _put_artifact(self, shard_id: str, ident: pb.ArtifactId, data: bytes) -> int:
+        deadline = self.core.deadlines.stream
 
-            return retrying(self.config, [shard_id], call)
+        def call(target: str) -> int:
+            messages = artifact_messages(ident, data, self.config.message_bytes)
+            address = self.core.address(target)
+            return self._conn.call(address, "PutArtifact", messages, deadline).stored_bytes
 
-        results = [self._pool.submit(put, s) for s in owners]
-        stored, errors = 0, []
-        for job in results:
-            try:
-                stored += job.result()
-            except Unavailable as error:
-                errors.append(error)
-        if len(errors) == len(results):
-            raise errors[0]
-        return stored
+        return retrying(self.core.attempts([shard_id]), call)
 
     def fetch_artifact(
         self, prefix: CachedPrefix, spec: str, verifier: Verifier | None = None
     ) -> bytes | None:
         """The artifact's bytes, or None when no owner holds it (with `verifier`: none holds
         one whose signature verifies)."""
-        ident = artifact_id(prefix, spec)
-        request = pb.FetchArtifactRequest(id=ident, max_message_bytes=self.config.message_bytes)
-        for shard_id in self.topology.owners(artifact_placement(prefix.key, spec)):
-            try:
-                data, signature = self._fetch_artifact_from(shard_id, request)
-            except (NotFound, Unavailable, StoreError) as error:
-                if not isinstance(error, NotFound | Unavailable) and "checksum" not in str(error):
-                    raise
-                continue
-            statement = artifact_statement_of(prefix, spec, data)
-            if verifier is None or verifier.verify(statement, signature):
-                return data
-            log.warning("artifact %s on %s is not signed by this deployment", spec, shard_id)
-        return None
+        self._fresh()
+        search = self.core.artifact_search(prefix, spec, verifier)
+        for shard_id in search:
+            attempts = self.core.attempts([shard_id])
+            read = lambda s: self._read_artifact(s, search.request)  # noqa: E731
+            search.take(shard_id, outcome(retrying, attempts, read))
+        return search.found
 
-    def _fetch_artifact_from(self, shard_id: str, request) -> tuple[bytes, bytes]:
-        def call(target: str) -> tuple[bytes, bytes]:
-            stub = self._stub(self._address(target))
-            parts, crc, signature = [], None, b""
-            for message in stub.FetchArtifact(
-                request, metadata=self._metadata, timeout=self.config.stream_timeout_s
-            ):
-                parts.append(message.data)
-                crc = message.crc32c  # carried by the last message
-                signature = signature or message.signature  # by the first
-            data = b"".join(parts)
-            if crc is None or crc32c(data) != crc:
-                raise Unavailable("fetch_artifact: the artifact arrived corrupted")
-            return data, signature
-
-        return retrying(self.config, [shard_id], call)
+    def _read_artifact(self, shard_id: str, request) -> ArtifactReceipt:
+        receipt = ArtifactReceipt()
+        address, deadline = self.core.address(shard_id), self.core.deadlines.stream
+        for message in self._conn.call(address, "FetchArtifact", request, deadline):
+            receipt.add(message)
+        return receipt
 
     def delete_prefix(self, tokens: Sequence[int], layout: KVLayout, namespace: str = "") -> int:
-        """Delete the prefix's chunks and artifacts on every shard; returns bytes freed."""
-        request = pb.DeleteRequest(
-            namespace=namespace, layout=layout.to_proto(pb), token_ids=validate_tokens(tokens)
-        )
-        jobs = [
-            self._pool.submit(self._unary, [s], "Delete", request) for s in self.topology.shards
-        ]
-        return sum(job.result().bytes for job in jobs)
+        """Delete the prefix's chunks and artifacts on every listed shard; returns bytes
+        freed."""
+        request = self.core.delete_request(tokens, layout, namespace)
+        return sum(response.bytes for response in self._on_each("Delete", request))
 
     def stats(self) -> list[pb.StatsResponse]:
-        jobs = [
-            self._pool.submit(self._unary, [s], "Stats", pb.StatsRequest())
-            for s in sorted(self.topology.shards)
-        ]
-        return [job.result() for job in jobs]
+        """Every listed shard's figures, sorted by shard id."""
+        return self._on_each("Stats", pb.StatsRequest())

@@ -12,6 +12,7 @@ import contextlib
 import socket
 import ssl
 import struct
+import threading
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -49,6 +50,28 @@ class Cancel:
     def cancel(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+
+class Cancels:
+    """The streams of one fetch (gRPC calls, data-plane sockets: anything with a `cancel()`);
+    one registered after `cancel_all` is cut at once. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def track(self, item) -> None:
+        with self._lock:
+            self._items.append(item)
+            if self.cancelled:
+                item.cancel()
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            for item in self._items:
+                item.cancel()
 
 
 def host_port(address: str) -> tuple[str, int]:
