@@ -169,8 +169,7 @@ class Workload:
     def _tenant(self, index: int) -> Tenant:
         name = f"load-{index}-{secrets.token_hex(3)}"
         token = self.metadata.add_tenant(name)
-        client_config = ClientConfig(timeout_s=30, stream_timeout_s=60, retries=3)
-        store = StoreClient(self.endpoints(), token, client_config)
+        store = StoreClient(self.endpoints(), token, self.client_config())
         g = torch.Generator().manual_seed(self.config.seed * 1000 + index)
         tokens = self.config.prefix_chunks * LAYOUT.chunk_tokens
         prefixes = []
@@ -185,6 +184,13 @@ class Workload:
                 d.publish(token_ids=doc, compressors=["snapkv:budget=0.125"])
         prompts = [doc + question for doc in docs] + [docs[0][: 64 + index]]  # last: uncached
         return Tenant(name, token, store, prefixes, prompts)
+
+    def client_config(self) -> ClientConfig:
+        return ClientConfig(timeout_s=30, stream_timeout_s=60, retries=3)
+
+    def stopped(self) -> bool:
+        """Whether clients should stop before their deadline."""
+        return False
 
     def close(self) -> None:
         for tenant in self.tenants:
@@ -201,7 +207,7 @@ class Workload:
             decoders[index % len(decoders)], tenant.token, timeout_s=self.config.timeout_s
         )
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self.stopped():
                 op = rng.choices(ops, weights)[0]
                 self.run(op, lambda op=op: getattr(self, op)(tenant, rng, decoder))
         finally:

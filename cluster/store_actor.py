@@ -36,10 +36,12 @@ class ShardActor:
         """The actor's process (operators: memory, signals; `make chaos`)."""
         return os.getpid()
 
-    def inject_transit_faults(self, frames: int) -> None:
+    def inject_transit_faults(self, frames: int) -> int:
         """Fault injection (`make chaos`): corrupt the next `frames` fetched layers or
-        messages on their way out (`prefix_store.faults`)."""
+        messages on their way out (`prefix_store.faults`; 0 disarms). Returns how many
+        were corrupted so far."""
         faults.TRANSIT.arm(frames)
+        return faults.TRANSIT.fired
 
     def stop(self) -> None:
         """Graceful: leave the membership, finish RPCs, persist memory to disk."""
