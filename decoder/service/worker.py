@@ -151,6 +151,8 @@ class DecoderWorker:
     def info(self) -> dpb.InfoResponse:
         with self._lock:
             engines = [slot.engine for slot in self._engines.values()]
+            cached = sum(e.charged for e in self._prefixes.values() if e.users == 0)
+            prefixes = len(self._prefixes)
         return dpb.InfoResponse(
             model_id=self.layout.model_id,
             worker_id=self.config.worker_id,
@@ -159,6 +161,9 @@ class DecoderWorker:
             in_flight=sum(e.in_flight for e in engines),
             queued=sum(e.queued for e in engines),
             default_compressor=self.config.default_compressor,
+            kv_cached=cached,
+            cached_prefixes=prefixes,
+            engines=len(engines),
         )
 
     # -- Generate ---------------------------------------------------------------------------
@@ -414,16 +419,6 @@ class DecoderWorker:
         excess = len(self._engines) - self.config.max_engines
         idle = [k for k, s in self._engines.items() if not s.users and not s.engine.busy]
         return [self._engines.pop(key).engine for key in idle[: max(0, excess)]]
-
-    def engines(self) -> int:
-        """Engines kept (at most `config.max_engines` once idle)."""
-        with self._lock:
-            return len(self._engines)
-
-    def cached_prefixes(self) -> int:
-        """Prefixes kept for later requests."""
-        with self._lock:
-            return len(self._prefixes)
 
     def _entry(
         self,

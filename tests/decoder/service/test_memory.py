@@ -29,7 +29,8 @@ def reference(runner, model, prompt):
 
 
 def idle_charges(worker) -> int:
-    return sum(e.charged for e in worker._prefixes.values())
+    """Budget bytes held by idle cached prefixes, as the decoder reports them."""
+    return worker.info().kv_cached
 
 
 def test_distinct_specs_and_prefixes_leave_bounded_state_all_charged(
@@ -48,7 +49,8 @@ def test_distinct_specs_and_prefixes_leave_bounded_state_all_charged(
                 prompt = docs[i % 3] + question if i % 2 == 0 else docs[i % 3][:40 + i]
                 reply = client.generate(token_ids=prompt, max_new_tokens=NEW, compressor=spec)
                 assert reply.tokens == reference(builtin_runner, builtin_model, prompt), spec
-                assert worker.engines() <= 2 and worker.cached_prefixes() <= 2
+                info = worker.info()
+                assert info.engines <= 2 and info.cached_prefixes <= 2
                 # Nothing in flight: the budget holds exactly what the cache holds.
                 assert worker.budget.used == idle_charges(worker) > 0
     finally:
@@ -80,7 +82,7 @@ def test_a_tight_budget_reclaims_idle_prefixes_for_a_request(
                 reply = client.generate(token_ids=prompt, max_new_tokens=NEW)
                 assert reply.tokens == reference(builtin_runner, builtin_model, prompt)
         # The second request needed the first prefix's idle bytes: it was dropped for them.
-        assert decoder.worker.cached_prefixes() == 1
+        assert decoder.worker.info().cached_prefixes == 1
         assert decoder.worker.budget.used == idle_charges(decoder.worker)
     finally:
         decoder.stop(0)
@@ -91,9 +93,9 @@ def test_a_local_prefill_is_charged_before_it_runs(store, metadata, builtin_mode
     prompt_kv = (len(prompt) - 1) * builtin_model.config.kv_bytes_per_token
     decoder = serve(store.endpoints, builtin_model, kv_budget=prompt_kv // 2)
     try:
-        with DecoderClient(decoder.address, metadata.add_tenant("local")) as client:
-            with pytest.raises(Exception, match="the prompt's KV needs .* budget is"):
-                client.generate(token_ids=prompt, max_new_tokens=NEW)
+        client = DecoderClient(decoder.address, metadata.add_tenant("local"))
+        with client, pytest.raises(Exception, match="the prompt's KV needs .* budget is"):
+            client.generate(token_ids=prompt, max_new_tokens=NEW)
         assert decoder.worker.budget.peak == 0  # refused before any prefill
     finally:
         decoder.stop(0)
