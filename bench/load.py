@@ -5,7 +5,9 @@ replication 2, `--decoders` decoders, a Redis metadata plane). `--clients` threa
 over `--tenants` tenants, then run operations back to back for `--seconds`:
 
 - publish: store a prefix of random KV through the store SDK (a small layout, so that the
-  store's own paths are what is loaded); each tenant keeps a few and re-publishes them;
+  store's own paths are what is loaded): half the time one of the tenant's last few again
+  (found stored: no new bytes), half the time a new one, which joins them (so new bytes
+  keep arriving, and the tiers spill and evict as in production);
 - lookup: look one of the tenant's prefixes up (a hit must cover what was published);
 - fetch: read one back and compare it bitwise with what was published (bytes verified);
 - generate: one of the tenant's prompts through a decoder in `full`, `vericache` or
@@ -38,7 +40,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,7 +77,9 @@ class LoadConfig:
     """Lossless generations checked against in-process full-KV decoding."""
     new_tokens: int = 8
     prefixes: int = 3
-    """Store prefixes per tenant (published again and again: no unbounded growth)."""
+    """Store prefixes per tenant that the clients read and publish again (the latest)."""
+    fresh: float = 0.5
+    """Share of publishes that store a new prefix."""
     prefix_chunks: int = 3
     weights: dict[str, int] = field(
         default_factory=lambda: {"publish": 1, "lookup": 3, "fetch": 3, "generate": 1}
@@ -145,8 +149,36 @@ class Tenant:
     name: str
     token: str
     store: StoreClient
-    prefixes: list[tuple[list[int], torch.Tensor]]
+    latest: deque[int]
+    """Seeds (`prefix_of`) of the latest few prefixes published: what clients use."""
     prompts: list[list[int]]
+    published: list[int] = field(default_factory=list)
+    """Seeds of every prefix published (for sweeps that read everything back)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def pick(self, rng: random.Random) -> int:
+        with self.lock:
+            return rng.choice(self.latest)
+
+    def add(self, seed: int) -> None:
+        with self.lock:
+            self.latest.append(seed)
+            self.published.append(seed)
+
+    def everything(self) -> list[int]:
+        with self.lock:
+            return list(self.published)
+
+
+def prefix_of(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:
+    """A prefix made from its seed: token ids (distinct prefixes with overwhelming
+    probability) and random KV for them; the same every time, so only seeds are kept."""
+    rng = random.Random(seed)
+    tokens = chunks * LAYOUT.chunk_tokens
+    ids = [rng.randrange(50_000) for _ in range(tokens)]
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
+    return ids, torch.randn(shape, generator=g)
 
 
 class Workload:
@@ -170,20 +202,19 @@ class Workload:
         name = f"load-{index}-{secrets.token_hex(3)}"
         token = self.metadata.add_tenant(name)
         store = StoreClient(self.endpoints(), token, self.client_config())
-        g = torch.Generator().manual_seed(self.config.seed * 1000 + index)
-        tokens = self.config.prefix_chunks * LAYOUT.chunk_tokens
-        prefixes = []
-        for p in range(self.config.prefixes):
-            ids = [(index * 7919 + p * 104729 + t) % 50_000 for t in range(tokens)]
-            shape = (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, tokens, LAYOUT.head_dim)
-            prefixes.append((ids, torch.randn(shape, generator=g)))
         docs = documents(self.model, 2, 300)
         question = self.model.encode("\n# What does this do?\n")[1:]
         with DecoderClient(self.decoders()[0], token, timeout_s=self.config.timeout_s) as d:
             for doc in docs:
                 d.publish(token_ids=doc, compressors=["snapkv:budget=0.125"])
         prompts = [doc + question for doc in docs] + [docs[0][: 64 + index]]  # last: uncached
-        return Tenant(name, token, store, prefixes, prompts)
+        tenant = Tenant(name, token, store, deque(maxlen=self.config.prefixes), prompts)
+        rng = random.Random(f"{self.config.seed}/{name}")
+        for _ in range(self.config.prefixes):
+            seed = rng.getrandbits(62)
+            store.publish_prefix(*prefix_of(seed, self.config.prefix_chunks), LAYOUT)
+            tenant.add(seed)
+        return tenant
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(timeout_s=30, stream_timeout_s=60, retries=3)
@@ -224,19 +255,25 @@ class Workload:
         self.recorder.add(outcome)
 
     def publish(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
-        ids, kv = rng.choice(tenant.prefixes)
-        tenant.store.publish_prefix(ids, kv, LAYOUT)
+        fresh = rng.random() < self.config.fresh
+        seed = rng.getrandbits(62) if fresh else tenant.pick(rng)
+        tenant.store.publish_prefix(*prefix_of(seed, self.config.prefix_chunks), LAYOUT)
+        if fresh:
+            tenant.add(seed)
         return 0, 0
 
     def lookup(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
-        ids, _ = rng.choice(tenant.prefixes)
+        ids, _ = prefix_of(tenant.pick(rng), self.config.prefix_chunks)
         tenant.store.lookup(ids + [1], LAYOUT)
         return 0, 0
 
     def fetch(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
-        """Bitwise check of what comes back; a prefix found only in part (evicted, or a
-        publish under way) is read as far as found."""
-        ids, kv = rng.choice(tenant.prefixes)
+        return self.verify(tenant, tenant.pick(rng))
+
+    def verify(self, tenant: Tenant, seed: int) -> tuple[int, int]:
+        """Read a prefix back: (bytes equal to what was published, bytes not). A prefix
+        found only in part (evicted, or a publish under way) is read as far as found."""
+        ids, kv = prefix_of(seed, self.config.prefix_chunks)
         prefix = tenant.store.lookup(ids, LAYOUT)
         if prefix.tokens == 0:
             return 0, 0
