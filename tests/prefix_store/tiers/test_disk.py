@@ -16,7 +16,7 @@ import time
 import pytest
 
 from prefix_store.config import ShardConfig
-from prefix_store.errors import StoreFull
+from prefix_store.errors import StoreFull, Unavailable
 from prefix_store.shard import ChunkRef, Shard
 from prefix_store.tiers.disk import MAGIC, DiskTier
 from tests.prefix_store.test_shard import CHUNK, LAYOUT, SPACE, fetch_all, make, put
@@ -211,4 +211,40 @@ def test_a_blob_removed_while_its_write_is_in_flight_leaves_no_file(tmp_path, mo
     spilling.join(30)
     assert shard.lookup(SPACE, LAYOUT, PROMPTS[0]).cached_tokens == 0
     assert not list((tmp_path / "s").glob("*.blob"))
+    assert_consistent(shard)
+
+
+def test_replacing_an_artifact_being_read_waits_for_the_read_and_keeps_the_new_one(
+    tmp_path, monkeypatch
+):
+    shard = make(tmp_path, memory_chunks=0, disk_chunks=8)  # artifacts live on disk
+    spec, old, new = "snapkv:budget=0.125", b"old" * 100, b"new" * 100
+
+    def store(data):
+        return shard.put_artifact(SPACE, LAYOUT, 7, 40, spec, data, "a", lambda owner: None)
+
+    store(old)
+    reading, release = threading.Event(), threading.Event()
+    real = DiskTier.read_segment
+
+    def slow_read(self, blob_id, index):
+        reading.set()
+        assert release.wait(30)
+        return real(self, blob_id, index)
+
+    monkeypatch.setattr(DiskTier, "read_segment", slow_read)
+    got = []
+    reader = threading.Thread(
+        target=lambda: got.append(shard.fetch_artifact(SPACE, LAYOUT, 7, spec))
+    )
+    reader.start()
+    assert reading.wait(30)  # the read holds its lease
+    with pytest.raises(Unavailable, match="being read"):
+        store(new)
+    release.set()
+    reader.join(30)
+    assert got[0][0] == old  # the read got whole, unchanged bytes
+    monkeypatch.setattr(DiskTier, "read_segment", real)
+    store(new)  # the retry succeeds once the lease has ended
+    assert shard.fetch_artifact(SPACE, LAYOUT, 7, spec)[0] == new
     assert_consistent(shard)
