@@ -298,12 +298,17 @@ class Workload:
 
 
 class Processes:
-    """RSS of every shard and decoder process, sampled in the background."""
+    """RSS of every shard and decoder process, sampled in the background: the peak, and the
+    first sample after `warm_s` (once every kind of request has run: the baseline that
+    "flat" is judged against)."""
 
-    def __init__(self, deployment: Deployment, every_s: float = 5.0) -> None:
+    def __init__(self, deployment: Deployment, every_s: float = 5.0, warm_s: float = 0) -> None:
         self.deployment = deployment
         self.every_s = every_s
+        self.warm_s = warm_s
         self.peak: dict[str, int] = defaultdict(int)
+        self.warm: dict[str, int] = {}
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -327,6 +332,7 @@ class Processes:
         return out
 
     def start(self) -> Processes:
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
@@ -336,8 +342,11 @@ class Processes:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.every_s):
+            warm = time.monotonic() - self._started >= self.warm_s
             for name, rss in self.rss().items():
                 self.peak[name] = max(self.peak[name], rss)
+                if warm:
+                    self.warm.setdefault(name, rss)
 
 
 def drive(workload: Workload, seconds: float) -> None:
@@ -442,7 +451,7 @@ def deployment_for(config: LoadConfig, redis_url: str | None = None, **serve) ->
 def run(config: LoadConfig, deployment: Deployment, model, runner) -> dict:
     """The load against a running deployment; the figures."""
     workload = Workload(config, deployment, model)
-    processes = Processes(deployment)
+    processes = Processes(deployment, warm_s=min(60.0, config.seconds / 5))
     rss_start = processes.rss()
     processes.start()
     t0 = time.monotonic()
@@ -456,7 +465,12 @@ def run(config: LoadConfig, deployment: Deployment, model, runner) -> dict:
     summary = summarise(workload.recorder.outcomes, seconds)
     summary["tokens"] = check_generations(workload, runner, config.sample)
     summary["rss"] = {
-        name: {"start": rss_start.get(name), "end": rss_end.get(name), "peak": peak}
+        name: {
+            "start": rss_start.get(name),
+            "warm": processes.warm.get(name),
+            "end": rss_end.get(name),
+            "peak": peak,
+        }
         for name, peak in processes.peak.items()
     }
     summary["seconds"] = seconds
@@ -494,7 +508,11 @@ def main() -> int:
         f"generations checked {tokens['checked']}, wrong tokens {tokens['wrong_tokens']}"
     )
     for name, rss in sorted(summary["rss"].items()):
-        print(f"{name:<10} RSS start {rss['start']} end {rss['end']} peak {rss['peak']}")
+        mib = {k: f"{v / 2**20:.0f} MiB" if v else "-" for k, v in rss.items()}
+        print(
+            f"{name:<10} RSS start {mib['start']}, warm {mib['warm']}, end {mib['end']}, "
+            f"peak {mib['peak']}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"config": asdict(config), "machine": platform.platform(), **summary}
     args.out.write_text(json.dumps(record, indent=2))
