@@ -15,6 +15,11 @@ from prefix_store import errors
 log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
 """Trailing metadata of a call that failed INTERNAL: the id its server logged it under."""
+RETRY_AFTER = "retry-after-ms"
+"""Trailing metadata of a call refused by a server's call limits (RESOURCE_EXHAUSTED,
+`LimitExceeded`): milliseconds after which the caller may try again. Only such refusals
+carry it: an exceeded quota or a full store is not worth retrying."""
+BUSY_RETRY_MS = 100
 
 _CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -56,6 +61,20 @@ def code_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def busy_retry_s(error: BaseException) -> float | None:
+    """Seconds after which a call its server refused as busy (`RETRY_AFTER`) may be tried
+    again; None for any other failure."""
+    if not isinstance(error, grpc.RpcError) or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER:
+            try:
+                return max(0, int(value)) / 1000
+            except ValueError:
+                return None
+    return None
+
+
 def error_of(code: grpc.StatusCode, message: str) -> errors.StoreError:
     """The typed error a client raises for a failed call."""
     cls = _ERRORS.get(code, errors.StoreError)
@@ -76,6 +95,8 @@ def abort(
     a message that carries only a fresh request id (no exception text, paths or secrets),
     and is logged under that id, in `where`, with its traceback."""
     code = code_of(error)
+    if isinstance(error, errors.LimitExceeded):
+        context.set_trailing_metadata(((RETRY_AFTER, str(BUSY_RETRY_MS)),))
     if code != grpc.StatusCode.INTERNAL:
         context.abort(code, str(error) or type(error).__name__)
     request_id = uuid.uuid4().hex[:12]

@@ -6,12 +6,17 @@
         reply = client.generate(token_ids=ids, mode="vericache", compressor="kivi:bits=4")
 
 Errors arrive as the store's typed errors (`prefix_store.errors`): INVALID_ARGUMENT is
-InvalidArgument, UNAVAILABLE Unavailable, RESOURCE_EXHAUSTED QuotaExceeded, and so on.
+InvalidArgument, UNAVAILABLE Unavailable, RESOURCE_EXHAUSTED QuotaExceeded, and so on. A
+call the decoder refuses because it is busy (its call limits) is made again with backoff
+until the client's deadline, then raised like any other.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +25,11 @@ from vericache.v1 import decoder_pb2 as dpb
 from vericache.v1 import decoder_pb2_grpc as dpb_grpc
 
 from prefix_store.client.retry import rpc_error
+from prefix_store.status import busy_retry_s
 from prefix_store.tls import TLSClientConfig, make_channel
+
+BUSY_MAX_BACKOFF_S = 2.0
+"""The longest wait between attempts of a call the decoder refuses as busy."""
 
 
 @dataclass
@@ -81,13 +90,13 @@ class DecoderClient:
         return self._call(self._stub.Publish, request)
 
     def stream(self, *, reply: GenerateReply | None = None, **kwargs) -> Iterator[Piece]:
-        """Yield verified tokens as they are accepted; fills `reply` (if given) as it goes."""
+        """Yield verified tokens as they are accepted; fills `reply` (if given) as it goes.
+        A call the decoder refuses as busy is made again (see `_when_not_busy`)."""
         reply = reply if reply is not None else GenerateReply()
-        call = self._stub.Generate(
-            generate_request(**kwargs), metadata=self._metadata, timeout=self.timeout_s
-        )
+        request = generate_request(**kwargs)
+        call, first = self._when_not_busy(lambda: self._started(request))
         try:
-            for event in call:
+            for event in itertools.chain(first, call):
                 if event.HasField("tokens"):
                     piece = Piece(list(event.tokens.ids), event.tokens.text)
                     reply.tokens.extend(piece.tokens)
@@ -108,11 +117,37 @@ class DecoderClient:
             pass
         return reply
 
-    def _call(self, method, request):
+    def _started(self, request):
+        """A Generate call and its first event (so that a refusal is raised here)."""
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=self.timeout_s)
         try:
-            return method(request, metadata=self._metadata, timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise rpc_error(error) from None
+            return call, [next(call)]
+        except StopIteration:
+            return call, []
+        except BaseException:
+            call.cancel()
+            raise
+
+    def _call(self, method, request):
+        return self._when_not_busy(
+            lambda: method(request, metadata=self._metadata, timeout=self.timeout_s)
+        )
+
+    def _when_not_busy(self, attempt):
+        """`attempt()`, made again while the decoder refuses it as busy (its call limits:
+        RESOURCE_EXHAUSTED with `RETRY_AFTER`), backing off up to BUSY_MAX_BACKOFF_S, until
+        the client's deadline; any other failure is raised as a typed error at once."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.0
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as error:
+                wait = busy_retry_s(error)
+                delay = min(BUSY_MAX_BACKOFF_S, max(wait or 0.0, 2 * delay))
+                if wait is None or time.monotonic() + delay >= deadline:
+                    raise rpc_error(error) from None
+                time.sleep(delay * random.uniform(0.5, 1.0))
 
 
 def generate_request(

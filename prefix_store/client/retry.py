@@ -1,5 +1,7 @@
-"""The client's one retry policy: retry only on UNAVAILABLE, with capped exponential backoff,
-moving through the candidate targets; every other status becomes a typed error at once.
+"""The client's one retry policy: retry on UNAVAILABLE (quarantining the target), and on a
+refusal its server marked busy (`status.RETRY_AFTER`: no quarantine, waiting at least what
+it asked), with capped exponential backoff, moving through the candidate targets; every
+other status becomes a typed error at once.
 `Attempts` is the policy without I/O; `retrying` and `retrying_async` only call and sleep."""
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import grpc
 
 from prefix_store.config import ClientConfig
 from prefix_store.errors import StoreError, Unavailable
-from prefix_store.status import RETRYABLE, error_of
+from prefix_store.status import RETRYABLE, busy_retry_s, error_of
 
 T = TypeVar("T")
 
@@ -48,6 +50,8 @@ class Attempts:
         self.config, self.targets, self.on_unavailable = config, list(targets), on_unavailable
         self.attempt = 0
         self.last: StoreError | None = None
+        self.busy = False
+        """Whether the last failure was a busy server's refusal."""
 
     def __iter__(self) -> Iterator[str]:
         for attempt in range(self.config.retries):
@@ -57,12 +61,18 @@ class Attempts:
     def failed(self, target: str, error: grpc.RpcError | Unavailable) -> float:
         """Seconds to wait before the next attempt; raises the typed error at once if no
         retry can help."""
-        self.last = retryable(error)
-        if self.on_unavailable is not None:
+        wait = busy_retry_s(error)
+        self.busy = wait is not None
+        self.last = rpc_error(error) if self.busy else retryable(error)
+        if not self.busy and self.on_unavailable is not None:
             self.on_unavailable(target)
-        return backoff(self.config, self.attempt) if self.attempt + 1 < self.config.retries else 0
+        if self.attempt + 1 >= self.config.retries:
+            return 0
+        return max(backoff(self.config, self.attempt), wait or 0.0)
 
-    def exhausted(self) -> Unavailable:
+    def exhausted(self) -> StoreError:
+        if self.busy and self.last is not None:
+            return self.last  # still busy: its RESOURCE_EXHAUSTED, not UNAVAILABLE
         return Unavailable(
             f"{len(self.targets)} shard(s) unavailable after {self.config.retries} attempts: "
             f"{self.last}"

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.limits import CallBounds
+from prefix_store.status import BUSY_RETRY_MS, RETRY_AFTER
 from tests.prefix_store.conftest import LAYOUT
 
 PUT = "/vericache.v1.PrefixStore/Put"
@@ -74,6 +75,29 @@ def test_the_server_wide_limit_names_itself(store, metadata):
         release.set()
         for channel, _ in opened:
             channel.close()
+
+
+def test_a_refusal_for_busy_is_marked_and_the_sdk_waits_it_out(store, metadata):
+    server = store.start("shard-0", calls=CallBounds(per_tenant=1, total=4))
+    token = metadata.add_tenant("patient")
+    release = threading.Event()
+    channel, (held,) = idle_puts(server.address, token, 1, release)
+    try:
+        time.sleep(0.5)  # the idle put holds the tenant's only slot
+        _, (refused,) = idle_puts(server.address, token, 1, release)
+        error = refused.exception(timeout=10)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (RETRY_AFTER, str(BUSY_RETRY_MS)) in error.trailing_metadata()
+        # The SDK tries again (no quarantine: the shard is up) and is served once the slot
+        # frees; a quota refusal (no RETRY_AFTER) would be raised at once.
+        threading.Timer(1.0, release.set).start()
+        start = time.monotonic()
+        with store.client(token, retries=40, max_backoff_s=0.2) as client:  # Describe waits
+            assert client.lookup(list(range(40)), LAYOUT).tokens == 0
+            assert 0.8 < time.monotonic() - start < 10 and not client.suspects()
+    finally:
+        release.set()
+        channel.close()
 
 
 def test_a_stream_that_goes_quiet_is_cut(store, metadata):

@@ -5,6 +5,7 @@ leaves the decoder serving. Real store shard, Redis and the built-in model on lo
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -30,12 +31,22 @@ def test_a_tenant_over_its_call_limit_is_told_so_and_others_are_served(
         with DecoderClient(decoder.address, busy) as client:
             stream = client.stream(text="def fibonacci(n):", max_new_tokens=64)
             next(stream)  # the first call holds the tenant's only slot while it streams
-            with pytest.raises(Exception) as refused:
-                client.info()
+            # Refused as busy: the SDK tries again until its deadline, then says why.
+            impatient = DecoderClient(decoder.address, busy, timeout_s=1.5)
+            with impatient, pytest.raises(Exception) as refused:
+                impatient.info()
             assert "per-tenant limit 1" in str(refused.value)
             with DecoderClient(decoder.address, other) as neighbour:
                 assert neighbour.info().worker_id == decoder.config.worker_id
+            # A patient caller is served as soon as the slot is free.
+            waited = []
+            waiting = threading.Thread(target=lambda: waited.append(client.info().worker_id))
+            waiting.start()
+            time.sleep(0.5)
+            assert not waited  # still refused, and retrying
             stream.close()
+            waiting.join(30)
+            assert waited == [decoder.config.worker_id]
     finally:
         decoder.stop(0)
 
