@@ -231,6 +231,8 @@ class Shard:
         evicted blob (counted); if a blob it stored itself could not be written, the change
         is undone as a whole (its other new blobs dropped unless another put claims them)
         and fails: StoreFull when the disk is full, else Unavailable."""
+        if not failed:
+            return  # the common case: no second trip through the lock
         new_ids = {b.id for b in new}
         own = [w for w in failed if w.blob.id in new_ids]
         with self._mutating():
