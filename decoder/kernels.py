@@ -14,7 +14,7 @@ computed alongside. It rests on three facts that `decoder.selfcheck` proves at s
   present) never enter its result.
 
 Exact attention has two implementations with different bits: the fused C++ kernel
-(`decoder.kernels_ext`, one pass per key chunk with an online softmax, each query row
+(`prefix_store.attention.kernel`, one pass per key chunk with an online softmax, each query row
 computed on its own) and the torch one below (the fallback). `exact_kernel_id` names the
 one a process uses; exact KV is stored and looked up under it.
 """
@@ -28,8 +28,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from decoder import kernels_ext
 from decoder.config import RopeConfig, ceil_to
+from prefix_store.attention import kernel as fused_ext
 
 TORCH_KERNEL_ID = "torch-v1"
 
@@ -200,7 +200,7 @@ def fused_kernel(head_dim: int) -> ModuleType | None:
     this machine, else None: exact mode then uses the torch implementation."""
     if head_dim % 8:
         return None
-    return kernels_ext.module()
+    return fused_ext.module()
 
 
 def exact_kernel_id(head_dim: int) -> str:
@@ -214,7 +214,7 @@ def exact_kernel_id(head_dim: int) -> str:
     """
     if fused_kernel(head_dim) is None:
         return TORCH_KERNEL_ID
-    return f"fused-avx2-{kernels_ext.source_digest()[:12]}"
+    return f"fused-avx2-{fused_ext.source_digest()[:12]}"
 
 
 @dataclass(frozen=True, slots=True)

