@@ -40,6 +40,7 @@ from decoder.kernels import (
 from decoder.kv_cache import KVCache, SeqCache
 from decoder.quant import LinearFn, int8_engine, low_precision_linear
 from decoder.weights import LayerWeights, ModelWeights
+from prefix_store.attention import fold
 
 Logits = Literal["all", "last", "none"]
 
@@ -201,6 +202,7 @@ class ModelRunner:
             q = q * self.scale
         out = torch.zeros_like(q)
         stacks = _prefix_stacks(seqs, spans, plans, self.rc.key_chunk)
+        stacks.update(_remote_stacks(index, seqs, spans, plans, self.rc.key_chunk))
         for i, (seq, (start, end), plan) in enumerate(zip(seqs, spans, plans, strict=True)):
             layer_kv = seq.cache.layer(index)
             layer_kv.append(
@@ -336,6 +338,67 @@ class _PrefixStack:
         return state
 
 
+class _RemoteStack:
+    """Sequences of one exact forward whose prefix's leading chunks are attended where the
+    KV lives (near-data attention: their caches carry the same `remote`).
+
+    Their caches' layer buffers hold positions [remote.base, ...) only (slot j holds
+    position base + j; base is a multiple of the key chunk). At a layer, every member's
+    query rows are sent together for the partials of the chunks below base (computed by the
+    shards with this kernel), folded in chunk order, and each member continues from its
+    rows' state over its own chunks, the positions shifted by base, which moves every chunk
+    boundary by whole chunks and so changes no bit. One instance serves one layer.
+    """
+
+    def __init__(self, layer: int, remote, members: list[int], key_chunk: int, spans, plans):
+        self.layer, self.remote = layer, remote
+        self.key_chunk = key_chunk
+        self.members, self.spans, self.plans = members, spans, plans
+        self.offsets: dict[int, int] = {}
+        offset = 0
+        for i in members:
+            self.offsets[i] = offset
+            offset += spans[i][1] - spans[i][0]
+        self.state: AttentionState | None = None
+
+    def attend(self, i: int, layer_kv, q: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            rows = torch.cat([q[self.spans[m][0] : self.spans[m][1]] for m in self.members])
+            self.state = AttentionState.start(*rows.shape)
+            parts = self.remote.partials(self.layer, rows.contiguous())
+            fold(self.state.m, self.state.l, self.state.acc, parts)
+        start, end = self.spans[i]
+        offset = self.offsets[i]
+        state = self.state.tokens(offset, offset + end - start)
+        positions = (self.plans[i].positions - self.remote.base).contiguous()
+        attend_chunks(
+            q[start:end],
+            layer_kv.k,
+            layer_kv.v,
+            positions,
+            state,
+            key_chunk=self.key_chunk,
+            finish=True,
+        )
+        return state.acc
+
+
+def _remote_stacks(layer: int, seqs, spans, plans, key_chunk: int) -> dict[int, _RemoteStack]:
+    """The near-data stack of each sequence whose cache attends a prefix remotely."""
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for i, seq in enumerate(seqs):
+        remote = getattr(seq.cache, "remote", None)
+        if remote is not None:
+            groups.setdefault(id(remote), (remote, []))[1].append(i)
+    if groups and (not plans or plans[0] is None or not plans[0].fused):
+        raise ValueError("near-data attention needs exact mode with the fused kernel")
+    stacks: dict[int, _RemoteStack] = {}
+    for remote, members in groups.values():
+        stack = _RemoteStack(layer, remote, members, key_chunk, spans, plans)
+        stacks.update(dict.fromkeys(members, stack))
+    return stacks
+
+
 def _prefix_stacks(seqs, spans, plans, key_chunk: int) -> dict[int, _PrefixStack]:
     """The stack of each sequence that shares its prefix buffer with another one in this
     exact forward (fused kernel only), by sequence index."""
@@ -343,6 +406,8 @@ def _prefix_stacks(seqs, spans, plans, key_chunk: int) -> dict[int, _PrefixStack
         return {}
     groups: list[tuple[object, int, list[int]]] = []  # (prefix_id, prefix_length, members)
     for i, seq in enumerate(seqs):
+        if getattr(seq.cache, "remote", None) is not None:
+            continue
         prefix_id = getattr(seq.cache, "prefix_id", None)
         length = getattr(seq.cache, "prefix_length", 0)
         if prefix_id is None or length < key_chunk:

@@ -15,7 +15,9 @@ import torch
 from decoder.config import ModelConfig
 from decoder.kernels import exact_kernel_id
 from decoder.kv_source import FullKVSource
+from decoder.near_data import NearData
 from prefix_store.client import CachedPrefix, StoreClient
+from prefix_store.client.attention import full_chunks, kernels_match
 from prefix_store.layout import KVLayout
 
 
@@ -40,6 +42,8 @@ class StoreKVSource:
         self.client = client
         self.prefix = prefix
         self.bytes_read = 0
+        self.near_refused = ""
+        """Why `near_data` declined, if it did."""
 
     @property
     def length(self) -> int:
@@ -54,6 +58,22 @@ class StoreKVSource:
         self.bytes_read += self.client.fetch_layers(
             self.prefix, k_out.unsqueeze(0), v_out.unsqueeze(0), index, index + 1
         )
+
+    def near_data(self, heads: int) -> NearData | None:
+        """Near-data attention of this prefix for a model with `heads` query heads, when
+        this process runs the fused kernel and every shard holding the prefix's full chunks
+        advertises its fingerprint (else None: passes pull, and `near_refused` says why)."""
+        near = NearData(self.client, self.prefix, self, heads)
+        chunks = full_chunks(self.prefix)
+        if not near.kernel:
+            self.near_refused = "this decoder has no fused kernel"
+        elif not chunks:
+            self.near_refused = "the prefix has no full chunk"
+        elif not kernels_match(self.client.topology, chunks, near.kernel):
+            self.near_refused = "the shards holding it run another attention kernel"
+        else:
+            return near
+        return None
 
 
 def publish_source(

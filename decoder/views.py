@@ -10,6 +10,10 @@ which attention masks (exact mode) or never sees (the layer's `length` stops bef
 
 Cost per request and layer: copying its tail (a few hundred tokens at most), instead of a
 private copy of the whole prefix.
+
+With near-data attention the buffer holds only the prefix's positions from `base` on (its
+last, partial store chunk) and the tail: slot j holds position base + j, and the runner
+gets the partials of positions [0, base) from `remote` (`decoder.near_data`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from decoder.kv_cache import KVCache, LayerKV
 class SharedPrefixView:
     """A dense `SeqCache` over a shared prefix layer provider plus the request's own tail.
 
-    `layers(i)` returns a buffer whose slots [0, prefix_length) hold layer i of the prefix,
-    with capacity for prefix + tail + the tokens this pass appends, and positions[j] == j.
+    `layers(i)` returns a buffer whose slots [0, prefix_length - base) hold layer i of the
+    prefix from position `base` on, with capacity for the rest of the prefix + tail + the
+    tokens this pass appends; slot j holds position base + j.
     """
 
     def __init__(
@@ -32,9 +37,15 @@ class SharedPrefixView:
         prefix_length: int,
         tail: KVCache,
         prefix_id: object | None = None,
+        base: int = 0,
+        remote: object | None = None,
     ) -> None:
         self._layers = layers
         self.prefix_length = prefix_length
+        self.base = base
+        self.remote = remote
+        """Near-data attention of positions [0, base) (`decoder.near_data.RemotePass`), or
+        None when the buffer holds the whole prefix (base 0)."""
         self.prefix_id = prefix_id
         """Equal (and not None) for the views of one pass whose `layers(i)` return the same
         buffer for every i: their slots [0, prefix_length) hold the same prefix KV, which the
@@ -53,7 +64,7 @@ class SharedPrefixView:
 
     def layer(self, index: int) -> LayerKV:
         buf = self._layers(index)
-        p, t = self.prefix_length, self._tail_length
+        p, t = self.prefix_length - self.base, self._tail_length
         own = self.tail.layers[index]
         buf.k[:, p : p + t] = own.k[:, :t]
         buf.v[:, p : p + t] = own.v[:, :t]
@@ -64,7 +75,7 @@ class SharedPrefixView:
     def release(self, index: int) -> None:
         buf = self._borrowed
         assert buf is not None, "release without layer"
-        start = self.next_position
+        start = self.next_position - self.base
         self.tail.layers[index].append(
             buf.k[:, start : buf.length],
             buf.v[:, start : buf.length],

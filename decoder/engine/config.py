@@ -10,6 +10,8 @@ from decoder.horizon import HorizonPolicy
 
 EngineMode = Literal["full", "lossy", "vericache"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("full", "lossy", "vericache")
+Placement = Literal["auto", "near", "pull"]
+PLACEMENTS: tuple[Placement, ...] = ("auto", "near", "pull")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,13 @@ class EngineConfig:
     """Admission fairness (`decoder.engine.queue`): how many later requests may be admitted
     past one that does not fit yet before it waits alone for room (0: first come, first
     served)."""
+    placement: Placement = "auto"
+    """vericache mode: where verification passes attend a stored prefix that is not
+    resident here. `near`: on the shards holding it (near-data attention, `decoder.near_data`:
+    per layer the pass's query rows go out and per-chunk partials come back), when its
+    source offers it (a store prefix whose shards run this decoder's kernel fingerprint);
+    `pull`: its full KV is pulled for every pass; `auto` (default): near-data when offered,
+    else pull. A resident copy (`resident`) is used before either."""
     ngram: int = 0
     """Prompt-lookup speculation (`decoder.engine.ngram`): at most this many tokens copied
     from the prompt and output so far are proposed per forward and checked in that forward
@@ -61,6 +70,10 @@ class EngineConfig:
             raise ValueError(f"kv_budget must be > 0 bytes, got {self.kv_budget}")
         if self.max_bypass < 0:
             raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
         if self.staging_depth < 1:
             raise ValueError(f"staging_depth must be >= 1, got {self.staging_depth}")
         HorizonPolicy(self.horizon, self.max_horizon)  # validates both

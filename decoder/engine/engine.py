@@ -274,6 +274,8 @@ class Engine:
             "tokens_per_s": round(len(r.out) / busy, 3) if busy > 0 else 0.0,
             "full_bytes": group.source.nbytes,
             "pulled_bytes": int(s.pulled_bytes),
+            "near_bytes": int(s.near_bytes),
+            "near_passes": s.near_passes,
             "peak_staging_bytes": self.peak_staging_bytes,
             "recomputed": group.local,
             "resident_prefix": group.resident is not None,

@@ -2,11 +2,12 @@
 
 An exact pass is one exact-mode forward of several requests' new tokens (suffix prefills,
 verification rows, full-KV decode steps). Each request attends over its prefix's full KV
-(staged layer by layer through the `LayerRing`, or resident) plus its own tail, seen through
-a `SharedPrefixView`. When a prefix's full KV cannot be read, the pass is undone, the prefix
-recomputed locally if the budget allows (bitwise the KV the store held) or its requests
-failed with `Unreachable`, and the pass retried for the others: no token leaves a pass that
-did not complete.
+(resident, staged layer by layer through the `LayerRing`, or attended on the shards that
+hold it: near-data) plus its own tail, seen through a `SharedPrefixView`. When near-data
+attention fails beyond the replicas, the pass is undone and retried with the prefix pulled.
+When a prefix's full KV cannot be read, the pass is undone, the prefix recomputed locally if
+the budget allows (bitwise the KV the store held) or its requests failed with `Unreachable`,
+and the pass retried for the others: no token leaves a pass that did not complete.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from decoder.engine.state import PrefixGroup, Running, grouped
 from decoder.errors import Unreachable
-from decoder.kv_cache import KVCache
+from decoder.kv_cache import KVCache, LayerKV
 from decoder.kv_source import LocalKVSource
+from decoder.near_data import RemotePass
 from decoder.runner import Logits, ModelRunner, SeqInput
 from decoder.staging import PrefixUnavailable
 from decoder.views import SharedPrefixView
@@ -47,6 +49,7 @@ class ExactPasses:
         self.runner = scheduler.runner
         self.ring = scheduler.ring
         self.peak_staging_bytes = 0
+        self._near_layer: LayerKV | None = None
 
     def run(self, entries: list[Entry]) -> list:
         """One exact forward over the entries; logits per entry (None for failed ones).
@@ -58,8 +61,9 @@ class ExactPasses:
         while pending:
             groups = list(dict.fromkeys(entries[i][0].group for i in pending))
             pulled = [g for g in groups if g.pulled]
+            remote = {id(g): (g, g.near.begin_pass()) for g in groups if g.attended_near}
             before = {i: len(entries[i][0].tail) for i in pending}
-            seqs = [self._view(entries[i], pulled) for i in pending]
+            seqs = [self._view(entries[i], pulled, remote) for i in pending]
             if pulled:
                 self.ring.begin([g.pass_group() for g in pulled])
             try:
@@ -73,8 +77,10 @@ class ExactPasses:
                 continue
             finally:
                 self.peak_staging_bytes = max(self.peak_staging_bytes, self.ring.nbytes)
+                moved = {key: rp.close() for key, (_, rp) in remote.items()}
             self.ring.finish()
             self._charge_pulls(entries, pending, pulled)
+            self._charge_near(entries, pending, remote, moved)
             for i, lg in zip(pending, logits, strict=True):
                 result[i] = lg
             break
@@ -88,11 +94,23 @@ class ExactPasses:
             for i in users:
                 entries[i][0].stats.pulled_bytes += g.source.nbytes / len(users)
 
-    def _view(self, entry: Entry, pulled: list[PrefixGroup]) -> SeqInput:
-        """The request's cache for the pass: its prefix (resident, or the ring's staged copy
-        of it) and its own tail."""
+    @staticmethod
+    def _charge_near(entries: list[Entry], pending: list[int], remote: dict, moved: dict) -> None:
+        """Each request's share of the bytes its prefix's near-data pass moved."""
+        for key, (g, _) in remote.items():
+            users = [i for i in pending if entries[i][0].group is g]
+            for i in users:
+                entries[i][0].stats.near_bytes += moved[key] / len(users)
+                entries[i][0].stats.near_passes += 1
+
+    def _view(self, entry: Entry, pulled: list[PrefixGroup], remote: dict) -> SeqInput:
+        """The request's cache for the pass: its prefix (resident, the ring's staged copy of
+        it, or near-data: its partial last chunk here, the rest on the shards) and its own
+        tail."""
         r, tokens, logits = entry
         g = r.group
+        if id(g) in remote:
+            return SeqInput.extend(self._near_view(r, remote[id(g)][1]), tokens, logits)
         if not g.pulled:
             resident = g.resident
 
@@ -107,12 +125,46 @@ class ExactPasses:
         view = SharedPrefixView(layers, g.source.length, r.tail, prefix_id=g)
         return SeqInput.extend(view, tokens, logits)
 
+    def _near_view(self, r: Running, remote: RemotePass) -> SharedPrefixView:
+        """A view whose buffer holds the prefix from `near.base` on (its partial last chunk,
+        refilled per layer) and the request's tail; positions below base are attended on the
+        shards through `remote`."""
+        g = r.group
+        near = g.near
+        assert near is not None
+        buffer = self._near_buffer(near.head_tokens + g.room)
+
+        def layers(i: int) -> LayerKV:
+            k, v = near.head_layer(i) if near.head_tokens else (None, None)
+            if k is not None:
+                buffer.k[:, : near.head_tokens] = k
+                buffer.v[:, : near.head_tokens] = v
+            return buffer
+
+        return SharedPrefixView(
+            layers, g.source.length, r.tail, prefix_id=g, base=near.base, remote=remote
+        )
+
+    def _near_buffer(self, capacity: int) -> LayerKV:
+        """The one layer buffer near-data views borrow in turn (like a ring slot), grown to
+        `capacity` tokens; requests of one layer use it one after another."""
+        c = self.runner.config
+        if self._near_layer is None or self._near_layer.capacity < capacity:
+            self._near_layer = LayerKV(
+                c.num_kv_heads, c.head_dim, self.runner.rc.key_chunk, capacity
+            )
+        return self._near_layer
+
     def _recover(self, error: PrefixUnavailable) -> None:
-        """A prefix's full KV failed to arrive: recompute it locally, or fail its requests."""
+        """A prefix's full KV failed to arrive: near-data attention falls back to pulling;
+        a pull recomputes it locally, or fails its requests."""
         s = self.scheduler
         group = next((g for g in s.groups.values() if g.source is error.source), None)
         if group is None:
             raise error
+        if group.attended_near:
+            s.fall_back_to_pull(group, error.cause)
+            return
         if s.recompute(group, None):
             return
         reason = Unreachable(

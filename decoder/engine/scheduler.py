@@ -31,6 +31,7 @@ from decoder.engine.state import PrefixGroup, Running
 from decoder.errors import Cancelled, OverBudget, Unreachable
 from decoder.kv_cache import KVCache
 from decoder.kv_source import LocalKVSource
+from decoder.near_data import NearData
 from decoder.runner import ModelRunner
 from decoder.sampling import Sampler
 from decoder.staging import LayerRing
@@ -193,7 +194,9 @@ class Scheduler:
         # A prefix held in local memory (prefilled here, not in the store) counts too; what
         # its caller prepaid for it is taken over rather than reserved again.
         local = isinstance(group.source, LocalKVSource) and new_group
-        shared = buffers + (group.source.nbytes if local else 0)
+        near = self._near(group) if new_group else None
+        head = near.head_bytes if near is not None else 0
+        shared = buffers + (group.source.nbytes if local else 0) + head
         prepaid = min(ticket.prepaid, group.source.nbytes) if local else 0
         scratch = self._scratch_growth(group, room)
         staging = self._staging_growth(group.source.length + room)
@@ -209,6 +212,8 @@ class Scheduler:
             return None
         previous_room = group.room
         try:
+            if near is not None:
+                group.near = self._load_near(near)
             if new_group or capacity > group.room:
                 group.room = room
                 self._build_shared(group)
@@ -220,7 +225,9 @@ class Scheduler:
             raise
         self.budget.release(ticket.prepaid - prepaid)  # prepaid beyond what the prefix holds
         ticket.prepaid = 0
-        group.charged += shared
+        group.charged += shared - (head if group.near is None else 0)
+        if group.near is None and head:
+            self.budget.release(head)  # its head could not be fetched: the prefix is pulled
         group.buffers += buffers
         self._ring_charged += staging
         self._scratch_charged += scratch
@@ -284,6 +291,40 @@ class Scheduler:
             return 0
         return max(0, self.ring.bytes_for(capacity) - self._ring_charged)
 
+    def _near(self, group: PrefixGroup) -> NearData | None:
+        """The new group's near-data attention when the config and its source allow it: a
+        store prefix with a full chunk whose shards run this decoder's kernel, chunked like
+        the runner's attention."""
+        if self.config.mode != "vericache" or self.config.placement == "pull":
+            return None
+        offer = getattr(group.source, "near_data", None)
+        if offer is None:
+            return None
+        near = offer(self.runner.config.num_heads)
+        if (
+            near is None
+            or near.base == 0
+            or near.prefix.layout.chunk_tokens != self.runner.rc.key_chunk
+        ):
+            return None
+        return near
+
+    @staticmethod
+    def _load_near(near: NearData) -> NearData | None:
+        """Fetch the near-data head (the prefix's partial last chunk); None (the prefix is
+        pulled instead) when that fails."""
+        try:
+            near.load_head()
+        except Exception as error:  # noqa: BLE001 - any failure: verify by pulling instead
+            log.info("a prefix is pulled: its near-data head could not be fetched (%r)", error)
+            return None
+        return near
+
+    def fall_back_to_pull(self, group: PrefixGroup, error: BaseException) -> None:
+        """Near-data attention of the group failed beyond its replicas: its passes pull."""
+        log.warning("near-data attention failed (%s); the prefix's passes pull it instead", error)
+        group.near = None
+
     def _build_shared(self, group: PrefixGroup) -> None:
         if self.config.mode == "full":
             self._load_resident(group)
@@ -334,7 +375,9 @@ class Scheduler:
         passes then read local memory instead of pulling (DESIGN.md section 4)."""
         if self.config.mode != "vericache" or not self.config.resident:
             return
-        candidates = [g for g in self.groups.values() if g.pulled and g.members and not g.local]
+        candidates = [
+            g for g in self.groups.values() if g.resident is None and g.members and not g.local
+        ]
         for group in sorted(candidates, key=lambda g: -g.members):
             nbytes = self.bytes.dense(group.capacity)
             if not self.budget.try_reserve(nbytes, reclaim=False):

@@ -15,6 +15,7 @@ from decoder.engine.stats import RequestStats
 from decoder.horizon import Acceptance, DraftYield
 from decoder.kv_cache import KVCache
 from decoder.kv_source import FullKVSource
+from decoder.near_data import NearData
 from decoder.sampling import Sampler
 from decoder.staging import PassGroup
 
@@ -37,6 +38,9 @@ class PrefixGroup:
     resident_charged: int = 0  # vericache mode: budget bytes of `resident`
     draft: DraftPrefix | None = None
     local: bool = False  # recomputed here after the store failed
+    near: NearData | None = None
+    """Near-data attention of the prefix (its passes attend it on its shards), or None."""
+    near_charged: int = 0  # budget bytes of near's local head (the prefix's partial chunk)
 
     @property
     def capacity(self) -> int:
@@ -44,8 +48,13 @@ class PrefixGroup:
 
     @property
     def pulled(self) -> bool:
-        """Exact passes pull this prefix's full KV (no resident copy)."""
-        return self.resident is None
+        """Exact passes pull this prefix's full KV (neither resident nor near-data)."""
+        return self.resident is None and self.near is None
+
+    @property
+    def attended_near(self) -> bool:
+        """Exact passes attend this prefix on its shards (no resident copy)."""
+        return self.resident is None and self.near is not None
 
     def pass_group(self) -> PassGroup:
         return PassGroup(self.source, self.capacity)

@@ -22,6 +22,11 @@ class RequestStats:
     """Of which the checking forward agreed with (drafts, or tokens emitted directly)."""
     pulled_bytes: float = 0.0
     """Its share of the full prefix KV read for it."""
+    near_bytes: float = 0.0
+    """Its share of the bytes near-data passes exchanged with the shards (queries out,
+    partials back) instead of pulling."""
+    near_passes: int = 0
+    """Exact passes that attended its prefix on the shards."""
     compress_s: float = 0.0
     prefill_s: float = 0.0
 

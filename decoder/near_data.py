@@ -1,0 +1,131 @@
+"""Near-data verification: a prefix's attention computed on the shards that hold its KV.
+
+A verification pass needs, per layer, attention of the pass's query rows over the whole
+prefix. Pulling the prefix's full KV for it moves bytes that scale with the prefix length;
+here the decoder keeps only the prefix's last, partial store chunk (`head`, fetched once,
+under `base` tokens of the next full chunk) and, per layer, sends the pass's query rows to
+the shards holding the prefix's full chunks. Each shard returns its chunks' attention
+partials, computed with the very kernel the decoder runs (`prefix_store.attention`; equal
+kernel fingerprints are required), and the runner folds them in chunk order before its own
+chunks: bitwise what attention over a pulled copy gives. Bytes on the wire per pass scale
+with the rows verified (per layer: the rows' queries out, one partial per chunk and row back),
+not with the prefix's bytes.
+
+A shard that fails mid-pass is replaced by a replica inside the session (the store SDK);
+when that is impossible the pass raises `PrefixUnavailable` and the engine undoes it and
+retries with the prefix pulled (or recomputed): a token never leaves a partial pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from decoder.staging import PrefixUnavailable
+from prefix_store.attention import Partials, kernel_fingerprint
+from prefix_store.client import CachedPrefix, StoreClient
+from prefix_store.errors import StoreError
+
+
+@dataclass
+class NearStats:
+    """What near-data passes of one prefix cost (summed over its passes)."""
+
+    passes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wire_s: float = 0.0
+    """Seconds the decoder waited for partials (round trips and the shards' compute)."""
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+
+class NearData:
+    """One cached prefix's near-data attention: the chunks below `base` stay on the shards."""
+
+    def __init__(self, client: StoreClient, prefix: CachedPrefix, source, heads: int) -> None:
+        size = prefix.layout.chunk_tokens
+        full = [c for c in prefix.chunks if c.tokens == size]
+        self.client = client
+        self.prefix = prefix
+        self.source = source
+        """The prefix's `FullKVSource` (what a failure names, so the engine can recover)."""
+        self.heads = heads
+        self.kernel = kernel_fingerprint()
+        self.base = len(full) * size
+        self.length = prefix.tokens
+        self.stats = NearStats()
+        self._head: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def head_tokens(self) -> int:
+        """Tokens of the prefix kept here: its last chunk when that one is partial."""
+        return self.length - self.base
+
+    @property
+    def head_bytes(self) -> int:
+        layout = self.prefix.layout
+        return layout.chunk_bytes(self.head_tokens) if self.head_tokens else 0
+
+    def load_head(self) -> None:
+        """Fetch the prefix's partial last chunk (every layer) once; raises StoreError."""
+        if self._head is not None or not self.head_tokens:
+            return
+        layout = self.prefix.layout
+        last = self.prefix.chunks[-1]
+        alone = CachedPrefix(
+            self.prefix.namespace, layout, last.tokens, (replace(last, index=0, start=0),)
+        )
+        shape = (layout.num_layers, layout.num_kv_heads, last.tokens, layout.head_dim)
+        k, v = torch.empty(shape), torch.empty(shape)
+        self.client.fetch_layers(alone, k, v, 0, layout.num_layers)
+        self._head = (k, v)
+
+    def head_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index` of the prefix's positions [base, length): [KVH, head_tokens, D]."""
+        if self._head is None:
+            raise RuntimeError("load_head() first")
+        return self._head[0][index], self._head[1][index]
+
+    def begin_pass(self) -> RemotePass:
+        """A pass's remote attention (opened lazily at the first layer's rows)."""
+        return RemotePass(self)
+
+
+class RemotePass:
+    """The near-data attention of one exact pass: one store session, a query per layer."""
+
+    def __init__(self, near: NearData) -> None:
+        self.near = near
+        self.base = near.base
+        self._session = None
+
+    def partials(self, layer: int, q: torch.Tensor) -> Partials:
+        """The partials of the prefix's chunks below `base` for rows q [T, H, D] (scaled),
+        chunks in position order; raises PrefixUnavailable when they cannot be had."""
+        near = self.near
+        started = time.perf_counter()
+        try:
+            if self._session is None:
+                self._session = near.client.open_attention(near.prefix, near.heads, near.kernel)
+            return self._session.query(layer, q)
+        except StoreError as error:
+            raise PrefixUnavailable(near.source, error) from error
+        finally:
+            near.stats.wire_s += time.perf_counter() - started
+
+    def close(self) -> int:
+        """Close the session; returns the bytes this pass moved (queries and partials)."""
+        session, self._session = self._session, None
+        if session is None:
+            return 0
+        stats = self.near.stats
+        stats.passes += 1
+        stats.bytes_sent += session.bytes_sent
+        stats.bytes_received += session.bytes_received
+        session.close()
+        return session.bytes_sent + session.bytes_received

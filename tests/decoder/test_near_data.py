@@ -1,0 +1,201 @@
+"""Near-data verification through the real store: shards on loopback compute attention
+partials over the prefix's chunks, the decoder folds them; the tokens are those of
+in-process full-KV decoding, token for token, and the prefix's KV never crosses the wire."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import pytest
+
+from decoder.engine import Engine, EngineConfig, Prefix, Request, prefill_prefix
+from decoder.generate import generate_full
+from decoder.near_data import NearData
+from decoder.sampling import SamplingParams
+from decoder.store_source import StoreKVSource, kv_layout, publish_source
+from prefix_store.attention import available
+from tests.prefix_store.conftest import Store
+
+pytestmark = pytest.mark.skipif(not available(), reason="near-data attention needs the kernel")
+
+NEW_TOKENS = 20
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)
+
+
+@pytest.fixture
+def shards(redis_server, metadata, tmp_path):
+    metadata.set_replication(2)
+    store = Store(redis_server.url, tmp_path)
+    for i in range(3):
+        store.start(f"shard-{i}")
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(builtin_model):
+    source = builtin_model.encode(inspect.getsource(textwrap))
+    return [source[:700], source[300:1000]]  # 691- and 691-token prefixes: 2 full chunks each
+
+
+def full_kv(builtin_model, builtin_runner, prompt, sampling) -> list[int]:
+    return generate_full(
+        builtin_runner,
+        [prompt],
+        max_new_tokens=NEW_TOKENS,
+        eos_token_ids=builtin_model.eos_token_ids,
+        sampling=sampling,
+    )[0].tokens
+
+
+def published(builtin_model, builtin_runner, client, prompt) -> Prefix:
+    local = prefill_prefix(builtin_runner, prompt[:-9], observe=128)
+    layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
+    publish_source(client, local.tokens, local.source, layout)
+    cached = client.lookup(prompt, layout)
+    assert cached.tokens == len(local.tokens)
+    return Prefix(local.tokens, StoreKVSource(client, cached), local.observed)
+
+
+def engine(builtin_model, builtin_runner, compressor="snapkv:budget=0.125", **config) -> Engine:
+    config.setdefault("resident", False)  # a resident copy would be used before either
+    return Engine(
+        builtin_runner,
+        EngineConfig(mode="vericache", horizon=4, compressor=compressor, **config),
+        builtin_model.eos_token_ids,
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling, compressor",
+    [
+        (GREEDY, "snapkv:budget=0.125"),
+        (SAMPLED, "kivi:bits=2"),
+        (GREEDY, "streamingllm:sink=4,window=124"),
+    ],
+    ids=["greedy-snapkv", "sampled-kivi", "greedy-streaming"],
+)
+def test_near_data_decoding_is_token_for_token_full_kv(
+    sampling, compressor, builtin_model, builtin_runner, shards, metadata, prompts
+):
+    """Two requests over one shared prefix and one over a private one, one pass each round."""
+    want = [full_kv(builtin_model, builtin_runner, p, sampling) for p in prompts]
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        shared = published(builtin_model, builtin_runner, client, prompts[0])
+        private = published(builtin_model, builtin_runner, client, prompts[1])
+        requests = [
+            Request(shared, prompts[0][len(shared.tokens) :], NEW_TOKENS, sampling),
+            Request(shared, prompts[0][len(shared.tokens) :], NEW_TOKENS, sampling),
+            Request(private, prompts[1][len(private.tokens) :], NEW_TOKENS, sampling),
+        ]
+        results = engine(builtin_model, builtin_runner, compressor).run(requests)
+    assert [r.tokens for r in results] == [want[0], want[0], want[1]]
+    for r in results:
+        assert r.stats["near_passes"] > 0 and r.stats["near_bytes"] > 0
+        assert r.stats["pulled_bytes"] == 0  # the prefix's full KV never crossed the wire
+        # queries out and partials back: far below the prefix's bytes per pass
+        assert r.stats["near_bytes"] / r.stats["near_passes"] < r.stats["full_bytes"] / 10
+
+
+def test_two_tenants_each_see_only_their_own_prefix(
+    builtin_model, builtin_runner, shards, metadata, prompts
+):
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    tokens = [metadata.add_tenant("alice"), metadata.add_tenant("bob")]
+    got = []
+    for token in tokens:
+        with shards.client(token) as client:
+            prefix = published(builtin_model, builtin_runner, client, prompts[0])
+            request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+            result = engine(builtin_model, builtin_runner).run([request])[0]
+            got.append(result.tokens)
+            assert result.stats["near_passes"] > 0
+    assert got == [want, want]
+
+
+def test_a_kernel_mismatch_pulls_instead_and_stays_identical(
+    builtin_model, builtin_runner, shards, metadata, prompts, monkeypatch
+):
+    """A decoder whose kernel fingerprint the shards do not run never offloads to them."""
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    monkeypatch.setattr("decoder.near_data.kernel_fingerprint", lambda: "f" * 24)
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        prefix = published(builtin_model, builtin_runner, client, prompts[0])
+        request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        result = engine(builtin_model, builtin_runner).run([request])[0]
+    assert result.tokens == want
+    assert result.stats["near_passes"] == 0 and result.stats["pulled_bytes"] > 0
+    assert "another attention kernel" in prefix.source.near_refused
+
+
+def test_a_shard_stopped_mid_pass_is_replaced_by_a_replica(
+    builtin_model, builtin_runner, shards, metadata, prompts, monkeypatch
+):
+    """At layer 12 of the third near-data pass one shard serving the pass stops; its chunks
+    are attended on their replica and the pass completes, identical."""
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    begin = NearData.begin_pass
+    passes = []
+
+    def begin_and_stop_a_shard(near):
+        rp = begin(near)
+        passes.append(rp)
+        partials = rp.partials
+
+        def partials_then_stop(layer, q):
+            if len(passes) == 3 and layer == 12 and len(shards.servers) == 3:
+                serving = {link.part.shard_id for link in rp._session._links}
+                shards.stop(sorted(serving)[0], grace_s=0)
+            return partials(layer, q)
+
+        rp.partials = partials_then_stop
+        return rp
+
+    monkeypatch.setattr(NearData, "begin_pass", begin_and_stop_a_shard)
+    token = metadata.add_tenant("decoder")
+    with shards.client(token, quarantine_s=60.0) as client:
+        prefix = published(builtin_model, builtin_runner, client, prompts[0])
+        request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        result = engine(builtin_model, builtin_runner).run([request])[0]
+    assert len(shards.servers) == 2  # the stop happened mid-pass
+    assert result.tokens == want
+    assert result.stats["pulled_bytes"] == 0 and result.stats["near_passes"] >= 3
+
+
+def test_no_replica_left_falls_back_to_pulling_then_recomputing(
+    builtin_model, builtin_runner, redis_server, metadata, tmp_path, prompts, monkeypatch
+):
+    """One shard, stopped mid-pass: the pass is undone, the prefix recomputed here (nothing
+    left to pull from), and the output is still identical."""
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    store = Store(redis_server.url, tmp_path)
+    store.start("only")
+    begin = NearData.begin_pass
+
+    def begin_and_stop(near):
+        rp = begin(near)
+        partials = rp.partials
+
+        def partials_then_stop(layer, q):
+            if layer == 5 and store.servers:
+                store.stop("only", grace_s=0)
+            return partials(layer, q)
+
+        rp.partials = partials_then_stop
+        return rp
+
+    monkeypatch.setattr(NearData, "begin_pass", begin_and_stop)
+    token = metadata.add_tenant("decoder")
+    try:
+        with store.client(token, retries=1, timeout_s=3.0) as client:
+            prefix = published(builtin_model, builtin_runner, client, prompts[0])
+            request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+            result = engine(builtin_model, builtin_runner).run([request])[0]
+    finally:
+        store.close()
+    assert result.tokens == want
+    assert result.stats["recomputed"]
