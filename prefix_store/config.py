@@ -46,6 +46,11 @@ class ShardConfig:
     """gRPC server threads (concurrent RPCs)."""
     calls: CallBounds = field(default_factory=CallBounds)
     """Concurrent calls per tenant and in all (below `workers`), idle client streams."""
+    attention: bool = True
+    """Serve Attend (near-data attention) with this process's fused attention kernel when it
+    has one; False: advertise no kernel and refuse Attend (FAILED_PRECONDITION)."""
+    max_attend_streams_per_tenant: int = 8
+    """Concurrent Attend streams of one tenant (each also holds one of its `calls`)."""
     grace_s: float = 2.0
     """Graceful shutdown: in-flight RPCs get this long to finish."""
     heartbeat_s: float = 1.0
@@ -77,6 +82,8 @@ class ShardConfig:
             raise ValueError("message_bytes must be in [64 KiB, max_message_bytes]")
         if self.ttl_s <= self.heartbeat_s:
             raise ValueError("ttl_s must exceed heartbeat_s")
+        if self.max_attend_streams_per_tenant < 1:
+            raise ValueError("max_attend_streams_per_tenant must be >= 1")
 
     @property
     def advertised(self) -> str:

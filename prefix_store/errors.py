@@ -48,5 +48,10 @@ class DataLoss(StoreError):
     """Stored bytes failed their checksum; the chunk has been dropped (now a miss)."""
 
 
+class KernelMismatch(StoreError):
+    """A shard cannot compute attention partials with the caller's kernel (it has none, or
+    another one, whose bits would differ): the caller pulls the KV instead."""
+
+
 class Aborted(StoreError):
     """A two-phase put ended before its commit; nothing of it was stored."""

@@ -69,6 +69,33 @@ class CallLimits:
             return self._calls[tenant] if tenant is not None else sum(self._calls.values())
 
 
+class TenantSlots:
+    """At most `limit` concurrent holders of one kind (`what`, e.g. "Attend streams") per
+    tenant; one over it fails at once with LimitExceeded naming the limit."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit, self.what = limit, what
+        self._lock = threading.Lock()
+        self._held: Counter = Counter()
+
+    @contextlib.contextmanager
+    def admit(self, tenant: str) -> Iterator[None]:
+        with self._lock:
+            if self._held[tenant] >= self.limit:
+                raise LimitExceeded(
+                    f"tenant {tenant!r}: {self._held[tenant]} {self.what} open "
+                    f"(per-tenant limit {self.limit}); retry when one ends"
+                )
+            self._held[tenant] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held[tenant] -= 1
+                if self._held[tenant] <= 0:
+                    del self._held[tenant]
+
+
 class IdleStreams:
     """Cancels client streams whose next message is overdue (one watchdog thread)."""
 

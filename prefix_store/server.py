@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store import faults, wire
+from prefix_store import attend, faults, wire
 from prefix_store.auth import Authenticator, QuotaGuard, bearer_token, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
@@ -42,7 +42,7 @@ from prefix_store.data_plane import (
 )
 from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.layout import KVLayout
-from prefix_store.limits import CallLimits, IdleStreams
+from prefix_store.limits import CallLimits, IdleStreams, TenantSlots
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
@@ -68,7 +68,7 @@ REQUESTS = {
     "FetchArtifact": pb.FetchArtifactRequest,
 }
 """The request message of each method with one request; `handlers` passes them raw."""
-STREAMS = {"Put": None, "PutArtifact": pb.PutArtifactRequest}
+STREAMS = {"Put": None, "PutArtifact": pb.PutArtifactRequest, "Attend": pb.AttendRequest}
 """The message of each client stream; None: the handler parses the raw bytes (Put: `wire`)."""
 
 
@@ -168,6 +168,10 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.quota = QuotaGuard(metadata, config.shard_id)
         self.limits = CallLimits(config.calls)
         self.idle = IdleStreams(config.calls.stream_idle_s)
+        self.kernel = attend.kernel_fingerprint(config.attention)
+        """The attention kernel this shard serves Attend with ("" = none)."""
+        self.attend_slots = TenantSlots(config.max_attend_streams_per_tenant, "Attend streams")
+        self.attend_stats = attend.AttendStats()
 
     def check_size(self, name: str, nbytes: int) -> None:
         if nbytes > self.config.max_message_bytes:
@@ -227,6 +231,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                     shard_id=s.shard_id,
                     address=s.address,
                     data_address=s.info.get("data_address", ""),
+                    attention_kernel=s.info.get("attention_kernel", ""),
                 )
                 for s in shards
             ],
@@ -456,6 +461,46 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 signature=proof.signature if first else b"",
             )
 
+    @streaming
+    def Attend(self, requests, context):
+        """Near-data attention (see `prefix_store.attend`): the header leases its chunks,
+        then each query is answered with the partials over them, in order."""
+        with self.attend_slots.admit(context.tenant.name):
+            messages = client_stream(requests)
+            session = self._begin_attend(next(messages, None), context)
+            self.attend_stats.opened()
+            try:
+                for message in messages:
+                    yield self._answer(session, message)
+            finally:
+                session.close()
+
+    def _begin_attend(self, first, context) -> attend.AttendSession:
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("attend: the first message must be the header")
+        header = first.header
+        _, space = self._caller(context, header.namespace)
+        return attend.open_session(
+            self.shard,
+            space,
+            layout_of(header),
+            header,
+            self.kernel,
+            self.config.max_message_bytes,
+        )
+
+    def _answer(self, session: attend.AttendSession, message) -> pb.AttendResponse:
+        if message.WhichOneof("kind") != "query":
+            raise InvalidArgument("attend: after the header, only queries may come")
+        response = session.answer(message.query)
+        self.attend_stats.answered(
+            message.query.rows,
+            len(message.query.q),
+            len(response.m) + len(response.l) + len(response.acc),
+            response.compute_s,
+        )
+        return response
+
     @unary
     def Delete(self, request, context):
         """Deletes what the caller may: a namespace's owner anything in it, a writer what it
@@ -516,6 +561,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             "disk_rejected": len(self.shard.disk.rejected),
             "held_bytes": held,
             "usage_bytes": charged,
+            **self.attend_stats.figures(),
         }
 
 
@@ -585,6 +631,7 @@ def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
     methods["PutArtifact"] = method(grpc.stream_unary_rpc_method_handler, "PutArtifact")
     methods["Fetch"] = method(grpc.unary_stream_rpc_method_handler, "Fetch", _same)
     methods["FetchArtifact"] = method(grpc.unary_stream_rpc_method_handler, "FetchArtifact")
+    methods["Attend"] = method(grpc.stream_stream_rpc_method_handler, "Attend")
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
@@ -646,7 +693,11 @@ class ShardServer:
         return self.address
 
     def _heartbeat(self) -> None:
-        info = {**self.servicer.shard_stats(), "data_address": self.data_address}
+        info = {
+            **self.servicer.shard_stats(),
+            "data_address": self.data_address,
+            "attention_kernel": self.servicer.kernel,
+        }
         self.metadata.heartbeat(
             self.config.shard_id, self.address, info, self.shard.usage(), self.config.ttl_s
         )

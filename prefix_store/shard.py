@@ -768,9 +768,14 @@ class FetchStream:
         checked whole before it is handed out; the CRCs go with the bytes to the client,
         which checks them again on arrival."""
         for layer in range(self.layer_start, self.layer_end):
-            segments = [self.shard._read_segment(blob, layer) for blob in self.blobs]
+            segments = self.layer(layer)
             self.shard.stats.fetched_bytes += sum(len(s) for s in segments)
             yield layer, segments, [blob.crcs[layer] for blob in self.blobs]
+
+    def layer(self, layer: int) -> list[bytes | memoryview]:
+        """Every chunk's segment of `layer` (K then V), each checked against its stored
+        CRC-32C (`DataLoss` when one fails), from whichever tier holds it."""
+        return [self.shard._read_segment(blob, layer) for blob in self.blobs]
 
     def segments(self) -> Iterator[tuple[int, int, bytes | memoryview, int]]:
         for layer, segments, crcs in self.layers():

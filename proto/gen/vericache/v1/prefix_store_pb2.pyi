@@ -31,14 +31,16 @@ class NamespaceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., salt: _Optional[bytes] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard_id", "address", "data_address")
+    __slots__ = ("shard_id", "address", "data_address", "attention_kernel")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_KERNEL_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     address: str
     data_address: str
-    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    attention_kernel: str
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., data_address: _Optional[str] = ..., attention_kernel: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -269,6 +271,54 @@ class DeleteResponse(_message.Message):
     artifacts: int
     bytes: int
     def __init__(self, chunks: _Optional[int] = ..., artifacts: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class AttendRequest(_message.Message):
+    __slots__ = ("header", "query")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    header: AttendHeader
+    query: AttendQuery
+    def __init__(self, header: _Optional[_Union[AttendHeader, _Mapping]] = ..., query: _Optional[_Union[AttendQuery, _Mapping]] = ...) -> None: ...
+
+class AttendHeader(_message.Message):
+    __slots__ = ("namespace", "layout", "chunks", "kernel", "heads")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: KVLayout
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
+    kernel: str
+    heads: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., kernel: _Optional[str] = ..., heads: _Optional[int] = ...) -> None: ...
+
+class AttendQuery(_message.Message):
+    __slots__ = ("layer", "rows", "q")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    rows: int
+    q: bytes
+    def __init__(self, layer: _Optional[int] = ..., rows: _Optional[int] = ..., q: _Optional[bytes] = ...) -> None: ...
+
+class AttendResponse(_message.Message):
+    __slots__ = ("layer", "m", "l", "acc", "crc32c", "compute_s")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    M_FIELD_NUMBER: _ClassVar[int]
+    L_FIELD_NUMBER: _ClassVar[int]
+    ACC_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    m: bytes
+    l: bytes
+    acc: bytes
+    crc32c: int
+    compute_s: float
+    def __init__(self, layer: _Optional[int] = ..., m: _Optional[bytes] = ..., l: _Optional[bytes] = ..., acc: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -84,6 +84,11 @@ class PrefixStoreStub(object):
                 request_serializer=vericache_dot_v1_dot_prefix__store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Attend = channel.stream_stream(
+                '/vericache.v1.PrefixStore/Attend',
+                request_serializer=vericache_dot_v1_dot_prefix__store__pb2.AttendRequest.SerializeToString,
+                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.AttendResponse.FromString,
+                _registered_method=True)
 
 
 class PrefixStoreServicer(object):
@@ -149,6 +154,12 @@ class PrefixStoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attend(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefixStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_PrefixStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.StatsRequest.FromString,
                     response_serializer=vericache_dot_v1_dot_prefix__store__pb2.StatsResponse.SerializeToString,
+            ),
+            'Attend': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attend,
+                    request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.AttendRequest.FromString,
+                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.AttendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +489,33 @@ class PrefixStore(object):
             '/vericache.v1.PrefixStore/Stats',
             vericache_dot_v1_dot_prefix__store__pb2.StatsRequest.SerializeToString,
             vericache_dot_v1_dot_prefix__store__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attend(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vericache.v1.PrefixStore/Attend',
+            vericache_dot_v1_dot_prefix__store__pb2.AttendRequest.SerializeToString,
+            vericache_dot_v1_dot_prefix__store__pb2.AttendResponse.FromString,
             options,
             channel_credentials,
             insecure,
