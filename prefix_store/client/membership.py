@@ -45,19 +45,22 @@ class Membership:
             return described
         shards = dict(self.topology.shards)
         data = dict(self.topology.data_addresses)
+        kernels = dict(self.topology.attention_kernels)
+        listed = (shards, data, kernels)
         for shard_id in list(shards):
             if shard_id in described.shards:
-                self._listed(shard_id, described, shards, data)
+                self._listed(shard_id, described, *listed)
             elif now - self.absent.setdefault(shard_id, now) >= self.grace_s:
-                self._drop(shard_id, shards, data)
+                self._drop(shard_id, *listed)
         for shard_id in described.shards.keys() - shards.keys():
             if now - self.pending.setdefault(shard_id, now) >= self.grace_s:
-                self._listed(shard_id, described, shards, data)
+                self._listed(shard_id, described, *listed)
         self.pending = {s: p for s, p in self.pending.items() if s in described.shards}
         self.topology = replace(
             described,
             shards=shards,
             data_addresses=data,
+            attention_kernels=kernels,
             replication=self._replication(described, len(shards)),
             absent=frozenset(self.absent),
         )
@@ -68,18 +71,25 @@ class Membership:
         times = [*self.pending.values(), *self.absent.values()]
         return min(times) + self.grace_s if times else None
 
-    def _listed(self, shard_id: str, described: Topology, shards: dict, data: dict) -> None:
+    def _listed(
+        self, shard_id: str, described: Topology, shards: dict, data: dict, kernels: dict
+    ) -> None:
+        """Admit a listed shard at its current address, data plane and attention kernel."""
         self.absent.pop(shard_id, None)
         self.pending.pop(shard_id, None)
         shards[shard_id] = described.shards[shard_id]
-        data.pop(shard_id, None)
-        if shard_id in described.data_addresses:
-            data[shard_id] = described.data_addresses[shard_id]
+        for known, said in (
+            (data, described.data_addresses),
+            (kernels, described.attention_kernels),
+        ):
+            known.pop(shard_id, None)
+            if shard_id in said:
+                known[shard_id] = said[shard_id]
 
-    def _drop(self, shard_id: str, shards: dict, data: dict) -> None:
+    def _drop(self, shard_id: str, shards: dict, data: dict, kernels: dict) -> None:
         self.absent.pop(shard_id, None)
-        shards.pop(shard_id, None)
-        data.pop(shard_id, None)
+        for known in (shards, data, kernels):
+            known.pop(shard_id, None)
 
     def _replication(self, described: Topology, members: int) -> int:
         """Describe's factor, which counts only listed shards: while a member is absent the

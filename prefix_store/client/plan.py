@@ -53,6 +53,8 @@ class Topology:
     absent: frozenset[str] = frozenset()
     """Shards of the placement set the last Describe did not list: they keep their chunks'
     placement for a grace period, and calls route around them (see `client.membership`)."""
+    attention_kernels: dict[str, str] = field(default_factory=dict)
+    """shard id -> the attention kernel it serves Attend with (shards without one are absent)"""
 
     @classmethod
     def from_proto(cls, response) -> Topology:
@@ -62,6 +64,9 @@ class Topology:
             shards={s.shard_id: s.address for s in response.shards},
             replication=max(1, response.replication),
             data_addresses={s.shard_id: s.data_address for s in response.shards if s.data_address},
+            attention_kernels={
+                s.shard_id: s.attention_kernel for s in response.shards if s.attention_kernel
+            },
         )
 
     @property

@@ -15,6 +15,7 @@ from concurrent import futures
 
 from vericache.v1 import prefix_store_pb2 as pb
 
+from prefix_store.client.attention import AttendRoute, AttentionSession
 from prefix_store.client.channels import Connections
 from prefix_store.client.core import (
     ClientCore,
@@ -293,6 +294,18 @@ class StoreClient:
             idle,
             track=handle.track,
             tls=self._conn.data_tls,
+        )
+
+    # ---- near-data attention ----------------------------------------------------------------
+
+    def open_attention(self, prefix: CachedPrefix, heads: int, kernel: str) -> AttentionSession:
+        """A session computing attention partials over the prefix's full chunks on the
+        shards that hold them (`heads` query heads; `kernel`: the caller's kernel
+        fingerprint, which the shards must serve). Opens nothing yet: the first query opens
+        one stream per owner shard (see `client.attention`)."""
+        self._fresh()
+        return AttentionSession(
+            self.core, self._conn, AttendRoute(self.core, prefix, heads, kernel)
         )
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
