@@ -18,11 +18,16 @@ Workloads (prefixes are real Python source, published once with their compressed
 Modes: `full` (the strongest full-KV engine we have: one resident copy per prefix, shared
 by its requests), `full+ngram` (the same with prompt-lookup guesses verified in its exact
 passes: lossless, no compression), `lossy` (compressed decoding, not lossless),
-`vericache`, and `vericache+ngram` (the drafter also checks prompt-lookup guesses).
+`vericache`, and `vericache+ngram` (the drafter also checks prompt-lookup guesses). A mode
+may name the placement of its decoder's verification passes (DESIGN.md section 4):
+`vericache@pull` pulls the full KV of every prefix not resident, `vericache@near` attends it
+on the shards that hold it (near-data attention); plain `vericache` is the default, `auto`.
 
 Columns: aggregate tokens/s (all generated tokens over the batch's wall time) and its ratio
 to the full-KV baseline of the same workload and budget; p50/p95 request latency; accepted
-tokens per verification; bytes pulled from the store per generated token; peak decoder KV
+tokens per verification; bytes on the wire per generated token (the full KV pulled plus,
+near-data, queries and partials); the near-data passes' time per pass waiting on the shards
+("wire", round trips and shard compute) and the shards' compute within it; peak decoder KV
 bytes (budget accounting); the DESIGN.md section 10 bound (full-KV step time over draft
 step time, measured in the same run, times the fraction of drafted tokens accepted); and
 identical-to-full per request. Times are medians over `--repeats` runs.
@@ -96,7 +101,14 @@ def main() -> int:
     ap.add_argument(
         "--modes",
         nargs="+",
-        default=["full", "full+ngram", "lossy", "vericache", "vericache+ngram"],
+        default=[
+            "full",
+            "full+ngram",
+            "lossy",
+            "vericache@pull",
+            "vericache@near",
+            "vericache+ngram",
+        ],
     )
     ap.add_argument("--ngram", type=int, default=8, help="guesses per forward in +ngram modes")
     ap.add_argument("--repeats", type=int, default=1)
@@ -169,11 +181,15 @@ def write_results(args, model, **results) -> None:
     print(f"\nwrote {args.out}")
 
 
-def _server(stores, budget, model, key: bytes | None = None) -> DecoderServer:
+def _server(stores, budget, model, key: bytes | None = None, placement="auto") -> DecoderServer:
     """A decoder on the store; `key`: the deployment's provenance key, without which the
     shards refuse what it publishes (and it trusts only KV it published itself)."""
     config = DecoderConfig(
-        store_endpoints=stores, kv_budget=budget, worker_id="bench", provenance_key=key
+        store_endpoints=stores,
+        kv_budget=budget,
+        worker_id="bench",
+        provenance_key=key,
+        placement=placement,
     )
     server = DecoderServer(config, worker=None if model is None else _worker(config, model))
     server.start()
@@ -211,8 +227,9 @@ def _full_request_bytes(model, prompt_tokens: int, args) -> int:
 
 def _measure(stores, token, model, prompts, mode, budget, args, key=None) -> dict:
     runs = []
+    placement = mode.partition("@")[2] or "auto"
     for _ in range(args.repeats):
-        server = _server(stores, budget, model, key)
+        server = _server(stores, budget, model, key, placement)
         try:
             runs.append(_batch(server, token, prompts, mode, args))
         finally:
@@ -231,7 +248,7 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
     latencies = [0.0] * len(prompts)
     errors: list[BaseException] = []
 
-    engine_mode, _, ngram = mode.partition("+")
+    engine_mode, _, ngram = mode.partition("@")[0].partition("+")
 
     def one(i: int) -> None:
         t = time.perf_counter()
@@ -284,12 +301,25 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
             / max(1, sum(r.stats.get("draft_steps", 0) for r in replies))
         ),
         "pulled_per_token": sum(r.stats.get("pulled_bytes", 0) for r in replies) / generated,
+        "wire_per_token": sum(
+            r.stats.get("pulled_bytes", 0) + r.stats.get("near_bytes", 0) for r in replies
+        )
+        / generated,
+        "near_passes": sum(r.stats.get("near_passes", 0) for r in replies),
+        "near_wire_per_pass_s": _per_pass(replies, "near_wire_s"),
+        "near_shard_per_pass_s": _per_pass(replies, "near_shard_s"),
         "peak_kv_bytes": worker.budget.peak,
         "full_step_s": timers["full_s"] / timers["full_steps"] if timers["full_steps"] else 0.0,
         "draft_step_s": timers["draft_s"] / timers["draft_steps"] if timers["draft_steps"] else 0.0,
         "fetch_stall_s": max((r.stats.get("fetch_stall_s", 0.0) for r in replies), default=0.0),
         "fetch_s": max((r.stats.get("fetch_s", 0.0) for r in replies), default=0.0),
     }
+
+
+def _per_pass(replies, key: str) -> float:
+    """Seconds of `key` per near-data pass (0 without such passes)."""
+    passes = sum(r.stats.get("near_passes", 0) for r in replies)
+    return sum(r.stats.get(key, 0.0) for r in replies) / passes if passes else 0.0
 
 
 def _finish_row(row: dict, reference: dict | None) -> None:
@@ -309,8 +339,8 @@ def _finish_row(row: dict, reference: dict | None) -> None:
 
 HEADER = (
     f"{'workload':9s} {'budget':>15s} {'mode':15s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
-    f"{'p95 s':>6s} {'acc/ver':>7s} {'dr/fwd':>6s} {'pulled/tok':>10s} {'peak KV':>9s} "
-    f"{'bound':>6s} {'of bnd':>6s} identical"
+    f"{'p95 s':>6s} {'acc/ver':>7s} {'dr/fwd':>6s} {'wire/tok':>10s} {'wire ms':>7s} "
+    f"{'shard ms':>8s} {'peak KV':>9s} {'bound':>6s} {'of bnd':>6s} identical"
 )
 
 
@@ -321,10 +351,13 @@ def _fmt_row(row: dict) -> str:
     acc = f"{row['accepted_per_verification']:.2f}" if speculative else "-"
     per_fwd = f"{row['drafts_per_draft_step']:.2f}" if speculative else "-"
     share = f"{row['share_of_bound']:.2f}" if row.get("share_of_bound") else "-"
+    near = row.get("near_passes")
+    wire = f"{1e3 * row['near_wire_per_pass_s']:.0f}" if near else "-"
+    shard = f"{1e3 * row['near_shard_per_pass_s']:.0f}" if near else "-"
     return (
         f"{row['workload']:9s} {row['budget_label']:>15s} {row['mode']:15s} "
         f"{row['tokens_per_s']:7.2f} {ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} "
-        f"{acc:>7s} {per_fwd:>6s} {_mb(row['pulled_per_token']):>10s} "
+        f"{acc:>7s} {per_fwd:>6s} {_mb(row['wire_per_token']):>10s} {wire:>7s} {shard:>8s} "
         f"{_mb(row['peak_kv_bytes']):>9s} {bound:>6s} {share:>6s} {row['identical'] or 'reference'}"
     )
 

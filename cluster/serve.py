@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
 from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
+from decoder.config import Placement
 from decoder.service.config import DEFAULT_COMPRESSOR, MAX_NGRAM, DecoderConfig
 from prefix_store.config import ClientConfig, GiB, ShardConfig
 from prefix_store.metadata import Metadata
@@ -104,6 +105,9 @@ class ServeConfig:
     """The decoders' default prompt-lookup guesses per forward (0: off)."""
     resident_prefixes: bool = True
     """Decoders keep prefixes' full KV resident while their KV budget has room."""
+    placement: Placement = "auto"
+    """Where decoders verify against stored prefixes that are not resident (near-data
+    attention on the shards, or pulling; see `EngineConfig.placement`)."""
     decoder_threads: int | None = None
     """torch threads per decoder (None: the node's cores)."""
     detach: bool = False
@@ -155,6 +159,7 @@ class ServeConfig:
             default_compressor=self.compressor,
             ngram=self.ngram,
             resident_prefixes=self.resident_prefixes,
+            placement=self.placement,
             threads=self.decoder_threads,
             provenance_key=provenance_key,
             client=ClientConfig(tls=self.store_client_tls()),

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from cluster import tls_cli
+from decoder.config import PLACEMENTS
 from prefix_store.errors import InvalidArgument
 from prefix_store.metadata import DEFAULT_QUOTA, Metadata, redact_url
 
@@ -112,6 +113,14 @@ def add_commands(sub) -> None:
         action="store_false",
         help="decoders pull the full KV for every verification instead of keeping prefixes "
         "in flight resident while their KV budget has room",
+    )
+    serve.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="auto",
+        help="where decoders verify against a stored prefix that is not resident: near "
+        "(attention partials computed on the shards that hold it), pull (its full KV pulled "
+        "for every pass), auto (near when the shards run the decoders' kernel; default)",
     )
     serve.add_argument(
         "--detach",
@@ -223,6 +232,7 @@ def run_serve(ns) -> int:
             compressor=_compressor(ns.compressor),
             ngram=ns.ngram,
             resident_prefixes=ns.resident_prefixes,
+            placement=ns.placement,
             detach=ns.detach,
             tls=tls,
             tls_ca=tls_ca,

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 Mode = Literal["exact", "fast"]
+Placement = Literal["auto", "near", "pull"]
+"""Where a verification pass attends a stored prefix that is not resident (see
+`decoder.engine.config.EngineConfig.placement`)."""
+PLACEMENTS: tuple[Placement, ...] = ("auto", "near", "pull")
 DraftWeights = Literal["fp32", "int8", "fp16", "bf16"]
 
 

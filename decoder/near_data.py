@@ -38,10 +38,19 @@ class NearStats:
     bytes_received: int = 0
     wire_s: float = 0.0
     """Seconds the decoder waited for partials (round trips and the shards' compute)."""
+    shard_s: float = 0.0
+    """Of which the shards computed (per query, the slowest shard's compute)."""
 
     @property
     def bytes(self) -> int:
         return self.bytes_sent + self.bytes_received
+
+    def add(self, other: NearStats) -> None:
+        self.passes += other.passes
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.wire_s += other.wire_s
+        self.shard_s += other.shard_s
 
 
 class NearData:
@@ -59,6 +68,8 @@ class NearData:
         self.base = len(full) * size
         self.length = prefix.tokens
         self.stats = NearStats()
+        self.head_bandwidth = 0.0
+        """Bytes per second the head's fetch achieved (0: not measured): a pull's cost."""
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -82,7 +93,9 @@ class NearData:
         )
         shape = (layout.num_layers, layout.num_kv_heads, last.tokens, layout.head_dim)
         k, v = torch.empty(shape), torch.empty(shape)
-        self.client.fetch_layers(alone, k, v, 0, layout.num_layers)
+        started = time.perf_counter()
+        nbytes = self.client.fetch_layers(alone, k, v, 0, layout.num_layers)
+        self.head_bandwidth = nbytes / max(1e-6, time.perf_counter() - started)
         self._head = (k, v)
 
     def head_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +115,8 @@ class RemotePass:
     def __init__(self, near: NearData) -> None:
         self.near = near
         self.base = near.base
+        self.stats = NearStats(passes=1)
+        """What this pass cost (added to the prefix's `near.stats` on close)."""
         self._session = None
 
     def partials(self, layer: int, q: torch.Tensor) -> Partials:
@@ -116,16 +131,15 @@ class RemotePass:
         except StoreError as error:
             raise PrefixUnavailable(near.source, error) from error
         finally:
-            near.stats.wire_s += time.perf_counter() - started
+            self.stats.wire_s += time.perf_counter() - started
 
-    def close(self) -> int:
-        """Close the session; returns the bytes this pass moved (queries and partials)."""
+    def close(self) -> NearStats:
+        """Close the session; returns what this pass cost (bytes, waits)."""
         session, self._session = self._session, None
-        if session is None:
-            return 0
-        stats = self.near.stats
-        stats.passes += 1
-        stats.bytes_sent += session.bytes_sent
-        stats.bytes_received += session.bytes_received
-        session.close()
-        return session.bytes_sent + session.bytes_received
+        if session is not None:
+            self.stats.bytes_sent = session.bytes_sent
+            self.stats.bytes_received = session.bytes_received
+            self.stats.shard_s = session.shard_s
+            session.close()
+        self.near.stats.add(self.stats)
+        return self.stats

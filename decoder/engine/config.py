@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from decoder.config import Mode
+from decoder.config import PLACEMENTS, Mode, Placement
 from decoder.horizon import HorizonPolicy
 
 EngineMode = Literal["full", "lossy", "vericache"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("full", "lossy", "vericache")
-Placement = Literal["auto", "near", "pull"]
-PLACEMENTS: tuple[Placement, ...] = ("auto", "near", "pull")
 
 
 @dataclass(frozen=True)

@@ -276,6 +276,8 @@ class Engine:
             "pulled_bytes": int(s.pulled_bytes),
             "near_bytes": int(s.near_bytes),
             "near_passes": s.near_passes,
+            "near_wire_s": round(s.near_wire_s, 4),
+            "near_shard_s": round(s.near_shard_s, 4),
             "peak_staging_bytes": self.peak_staging_bytes,
             "recomputed": group.local,
             "resident_prefix": group.resident is not None,

@@ -60,8 +60,9 @@ class ExactPasses:
         pending = [i for i in order if not entries[i][0].done]
         while pending:
             groups = list(dict.fromkeys(entries[i][0].group for i in pending))
-            pulled = [g for g in groups if g.pulled]
-            remote = {id(g): (g, g.near.begin_pass()) for g in groups if g.attended_near}
+            near = [g for g in groups if g.attended_near and self._near_pays(g)]
+            pulled = [g for g in groups if g.resident is None and g not in near]
+            remote = {id(g): (g, g.near.begin_pass()) for g in near}
             before = {i: len(entries[i][0].tail) for i in pending}
             seqs = [self._view(entries[i], pulled, remote) for i in pending]
             if pulled:
@@ -96,12 +97,16 @@ class ExactPasses:
 
     @staticmethod
     def _charge_near(entries: list[Entry], pending: list[int], remote: dict, moved: dict) -> None:
-        """Each request's share of the bytes its prefix's near-data pass moved."""
+        """Each request's share of what its prefix's near-data pass cost."""
         for key, (g, _) in remote.items():
             users = [i for i in pending if entries[i][0].group is g]
+            cost = moved[key]
             for i in users:
-                entries[i][0].stats.near_bytes += moved[key] / len(users)
-                entries[i][0].stats.near_passes += 1
+                stats = entries[i][0].stats
+                stats.near_bytes += cost.bytes / len(users)
+                stats.near_wire_s += cost.wire_s / len(users)
+                stats.near_shard_s += cost.shard_s / len(users)
+                stats.near_passes += 1
 
     def _view(self, entry: Entry, pulled: list[PrefixGroup], remote: dict) -> SeqInput:
         """The request's cache for the pass: its prefix (resident, the ring's staged copy of
@@ -111,7 +116,7 @@ class ExactPasses:
         g = r.group
         if id(g) in remote:
             return SeqInput.extend(self._near_view(r, remote[id(g)][1]), tokens, logits)
-        if not g.pulled:
+        if g.resident is not None:
             resident = g.resident
 
             def layers(i: int, resident=resident):
@@ -124,6 +129,21 @@ class ExactPasses:
 
         view = SharedPrefixView(layers, g.source.length, r.tail, prefix_id=g)
         return SeqInput.extend(view, tokens, logits)
+
+    def _near_pays(self, g: PrefixGroup) -> bool:
+        """Whether this pass attends the group's prefix on its shards rather than pulling it:
+        always with placement `near`; with `auto` unless the measured wait of its near-data
+        passes exceeds what pulling its bytes takes at the pull bandwidth measured here
+        (the staging ring's reads, else the fetch of the prefix's head)."""
+        near = g.near
+        assert near is not None
+        if self.scheduler.config.placement == "near" or not near.stats.passes:
+            return True
+        ring = self.ring.stats
+        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
+        if not bandwidth:
+            return True
+        return near.stats.wire_s / near.stats.passes <= g.source.nbytes / bandwidth
 
     def _near_view(self, r: Running, remote: RemotePass) -> SharedPrefixView:
         """A view whose buffer holds the prefix from `near.base` on (its partial last chunk,

@@ -27,6 +27,10 @@ class RequestStats:
     partials back) instead of pulling."""
     near_passes: int = 0
     """Exact passes that attended its prefix on the shards."""
+    near_wire_s: float = 0.0
+    """Its share of the time those passes waited for partials (round trips, shard compute)."""
+    near_shard_s: float = 0.0
+    """Of which the shards computed."""
     compress_s: float = 0.0
     prefill_s: float = 0.0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decoder.config import Placement
 from prefix_store.config import ClientConfig
 from prefix_store.limits import CallBounds
 from prefix_store.tls import TLSConfig
@@ -40,6 +41,10 @@ class DecoderConfig:
     """vericache: keep the full KV of prefixes in flight here while the KV budget has room
     (verified without pulling; given back when a request needs the bytes). False: every
     verification pulls (see `EngineConfig.resident`)."""
+    placement: Placement = "auto"
+    """vericache: where passes attend a stored prefix that is not resident: on its shards
+    (`near`, near-data attention), by pulling its full KV (`pull`), or near-data whenever
+    the shards run this worker's kernel (`auto`; see `EngineConfig.placement`)."""
     threads: int | None = None
     """torch CPU threads (None: torch's choice)."""
     max_new_tokens: int = 4096

@@ -399,6 +399,7 @@ class DecoderWorker:
                     staging_depth=self.config.staging_depth,
                     ngram=ngram,
                     resident=self.config.resident_prefixes,
+                    placement=self.config.placement,
                 )
                 engine = Engine(self.runner, config, self.model.eos_token_ids, self.budget)
                 slot = self._engines[key] = _EngineSlot(engine)
