@@ -30,6 +30,7 @@ import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import attention
+from prefix_store.attend import FLOAT32, MAX_ROWS
 from prefix_store.blob import crc32c
 from prefix_store.client.core import ClientCore, exhausted, failover_error
 from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, group_by_owner
@@ -44,10 +45,6 @@ from prefix_store.errors import (
     Unavailable,
 )
 from prefix_store.status import busy_retry_s
-
-MAX_ROWS = 4096
-"""Query rows per query (the shard's bound)."""
-FLOAT32 = 4
 
 
 def full_chunks(prefix: CachedPrefix) -> tuple[ChunkPlan, ...]:
