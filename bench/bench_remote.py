@@ -276,9 +276,9 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
         raise errors[0]
     worker = server.worker
     timers = {k: 0.0 for k in ("draft_s", "draft_steps", "full_s", "full_steps")}
-    for engine in worker._engines.values():
+    for slot in worker._engines.values():
         for key in timers:
-            timers[key] += engine.timers[key]
+            timers[key] += slot.engine.timers[key]
     generated = sum(len(r.tokens) for r in replies)
     verifications = sum(r.stats.get("verifications", 0) for r in replies)
     return {

@@ -132,9 +132,10 @@ class ExactPasses:
 
     def _near_pays(self, g: PrefixGroup) -> bool:
         """Whether this pass attends the group's prefix on its shards rather than pulling it:
-        always with placement `near`; with `auto` unless the measured wait of its near-data
-        passes exceeds what pulling its bytes takes at the pull bandwidth measured here
-        (the staging ring's reads, else the fetch of the prefix's head)."""
+        always with placement `near`; with `auto` unless the measured transfer wait of its
+        near-data passes (their wait for partials less the shards' compute, which replaces
+        attention a pull would compute here) exceeds what pulling its bytes takes at the
+        pull bandwidth measured here (the staging ring's reads, else the head's fetch)."""
         near = g.near
         assert near is not None
         if self.scheduler.config.placement == "near" or not near.stats.passes:
@@ -143,7 +144,8 @@ class ExactPasses:
         bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
         if not bandwidth:
             return True
-        return near.stats.wire_s / near.stats.passes <= g.source.nbytes / bandwidth
+        transfer = (near.stats.wire_s - near.stats.shard_s) / near.stats.passes
+        return transfer <= g.source.nbytes / bandwidth
 
     def _near_view(self, r: Running, remote: RemotePass) -> SharedPrefixView:
         """A view whose buffer holds the prefix from `near.base` on (its partial last chunk,

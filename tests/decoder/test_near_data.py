@@ -61,6 +61,7 @@ def published(builtin_model, builtin_runner, client, prompt) -> Prefix:
 
 def engine(builtin_model, builtin_runner, compressor="snapkv:budget=0.125", **config) -> Engine:
     config.setdefault("resident", False)  # a resident copy would be used before either
+    config.setdefault("placement", "near")  # `auto` may pull on loopback: measured cheaper
     return Engine(
         builtin_runner,
         EngineConfig(mode="vericache", horizon=4, compressor=compressor, **config),
@@ -98,6 +99,34 @@ def test_near_data_decoding_is_token_for_token_full_kv(
         assert r.stats["pulled_bytes"] == 0  # the prefix's full KV never crossed the wire
         # queries out and partials back: far below the prefix's bytes per pass
         assert r.stats["near_bytes"] / r.stats["near_passes"] < r.stats["full_bytes"] / 10
+
+
+def test_auto_placement_measures_both_and_stays_identical(
+    builtin_model, builtin_runner, shards, metadata, prompts
+):
+    """`auto` starts near-data and then goes by measured costs: whatever it picks per pass,
+    every pass is exact."""
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        prefix = published(builtin_model, builtin_runner, client, prompts[0])
+        request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        result = engine(builtin_model, builtin_runner, placement="auto").run([request])[0]
+    assert result.tokens == want
+    assert result.stats["near_passes"] >= 1
+
+
+def test_pull_placement_never_attends_remotely(
+    builtin_model, builtin_runner, shards, metadata, prompts
+):
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        prefix = published(builtin_model, builtin_runner, client, prompts[0])
+        request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        result = engine(builtin_model, builtin_runner, placement="pull").run([request])[0]
+    assert result.tokens == want
+    assert result.stats["near_passes"] == 0 and result.stats["pulled_bytes"] > 0
 
 
 def test_two_tenants_each_see_only_their_own_prefix(
