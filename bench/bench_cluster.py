@@ -7,21 +7,27 @@ cluster/local.yaml and `vericache serve --detach --decoders 0` as an operator wo
 The decoder worker runs in this process, on this machine, outside the storage hosts: every
 byte it pulls crosses its own link to them (a veth pair onto the hosts' bridge), limited
 with a `tc` token bucket in both directions to each `--links` speed in turn (1.2 GB/s: the
-paper's remote-storage bandwidth; 1 Gbit/s). The storage hosts' own links are not limited:
-the decoder's link to remote storage is the bottleneck being emulated.
+paper's remote-storage bandwidth; 1 Gbit/s; 100 Mbit/s). The storage hosts' own links are
+not limited: the decoder's link to remote storage is the bottleneck being emulated.
 
-Workload: bench_remote's shared one (one `--shared-tokens` prefix of real Python source,
-`--requests` concurrent requests with different suffixes, `--max-new-tokens` each), full-KV
-baseline vs VeriCache, side by side per link. The baseline pulls the prefix once and keeps
-it resident; VeriCache pulls it for every verification pass, layer by layer into its
-staging ring, the first layers while it still drafts.
+Workloads (bench_remote's, real Python source): `shared`, one `--shared-tokens` prefix and
+`--requests` concurrent requests with different suffixes; `distinct`, `--distinct-requests`
+requests each over its own `--distinct-tokens` prefix. `--max-new-tokens` each. Modes
+(bench_remote's): the full-KV baseline (pulls each prefix once and keeps it resident),
+`vericache` (the service default: resident copies while the budget has room, here
+unlimited), and the placements held for every pass without resident copies:
+`vericache@pull` (the prefix's full KV pulled per pass, layer by layer into the staging
+ring, the first layers while drafting) and `vericache@near` (near-data attention: per layer
+the pass's query rows go to the shards, chunk partials come back). On links below 1 Gbit/s
+only `--slow-modes` run (pulling a prefix per pass there takes tens of seconds a pass).
 
 Columns: aggregate tokens/s and its ratio to the baseline on the same link; p50/p95
-latency; accepted tokens per verification; bytes pulled per generated token; the pull
-rate achieved while pulling; and "hidden": the share of VeriCache's pull time that
-verification passes did not wait for (1 - stall / pull time), i.e. that overlapped
-drafting or earlier layers' compute. A raw fetch of the whole prefix KV measures each
-shaped link first. Times are medians over `--repeats` runs.
+latency; accepted tokens per verification; bytes on the wire per generated token (pulled
+KV, plus near-data queries and partials); the near-data passes' wait per pass and the
+shards' compute within it; for pulls, the time pulling, the time passes stalled on it and
+"hidden": the share of pull time passes did not wait for (1 - stall / pull time). A raw
+fetch of the whole prefix KV measures each shaped link first. Times are medians over
+`--repeats` runs.
 
 Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 2]
        [--links 1.2GB/s 1Gbit/s] [--out bench/results/cluster.json]
@@ -30,6 +36,7 @@ Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 2]
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import re
 import sys
@@ -55,7 +62,7 @@ from decoder.loader import default_cache_dir, load_model  # noqa: E402
 from decoder.store_source import kv_layout  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 
-LINKS = {"1.2GB/s": 1.2e9, "1Gbit/s": 125e6, "unshaped": None}
+LINKS = {"1.2GB/s": 1.2e9, "1Gbit/s": 125e6, "100Mbit/s": 12.5e6, "unshaped": None}
 """Link speeds in bytes/s (None: no limit, the bridge as fast as this machine moves it)."""
 SERVE = (
     "vericache serve --address auto --detach --host 0.0.0.0 --shards 2 --decoders 0 "
@@ -65,13 +72,21 @@ SERVE = (
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--links", nargs="+", default=["1.2GB/s", "1Gbit/s"], choices=list(LINKS))
+    ap.add_argument(
+        "--links", nargs="+", default=["1.2GB/s", "1Gbit/s", "100Mbit/s"], choices=list(LINKS)
+    )
+    ap.add_argument("--workloads", nargs="+", default=["distinct", "shared"])
     ap.add_argument("--shared-tokens", type=int, default=8000)
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--distinct-tokens", type=int, default=4096)
+    ap.add_argument("--distinct-requests", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--compressor", default="snapkv:budget=0.125")
-    ap.add_argument("--modes", nargs="+", default=["full", "vericache"])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--modes", nargs="+", default=["full", "vericache", "vericache@pull", "vericache@near"]
+    )
+    ap.add_argument("--slow-modes", nargs="+", default=["full", "vericache", "vericache@near"])
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/cluster.json")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -94,31 +109,57 @@ def main() -> int:
             print(f"cluster up with shards at {', '.join(stores)} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)  # fmt: skip
             token = cluster.exec("vericache tenant add bench").split()[-1]
-            prefix = model.encode(source_text(0))[: args.shared_tokens]
-            prompts = [prefix + suffix(model, i) for i in range(args.requests)]
-            publisher = _server(stores, None, model)
-            try:
-                _publish(publisher, token, [prefix], args.compressor)
-            finally:
-                publisher.stop()
+            key = deployment_key(cluster)
+            workloads = publish(stores, token, model, args, key)
             for link in args.links:
                 bed.shape(LINKS[link])  # the decoder's link to the store
-                probes.append(probe(stores, token, model, prefix, link))
-                reference = None
-                for mode in args.modes:
-                    row = _measure(stores, token, model, prompts, mode, None, args)
-                    row.update(link=link, link_bytes_per_s=LINKS[link])
-                    reference = row if mode == "full" else reference
-                    _finish_row(row, reference)
-                    add_pull_columns(row)
-                    rows.append(row)
-                    print(fmt_row(row), flush=True)
+                probes.append(probe(stores, token, model, workloads["probe"], link))
+                slow = LINKS[link] is not None and LINKS[link] < 125e6
+                for name in args.workloads:
+                    reference = None
+                    for mode in args.slow_modes if slow else args.modes:
+                        prompts = workloads[name]
+                        row = _measure(stores, token, model, prompts, mode, None, args, key)
+                        row.update(link=link, link_bytes_per_s=LINKS[link], workload=name)
+                        reference = row if mode == "full" else reference
+                        _finish_row(row, reference)
+                        add_pull_columns(row)
+                        rows.append(row)
+                        print(fmt_row(row), flush=True)
         finally:
             bed.shape(None)
             cluster.down()
     print_tables(probes, rows)
     write_results(args, model, links=probes, rows=rows)
     return 0
+
+
+def deployment_key(cluster) -> bytes:
+    """The deployment's provenance key from the head host's state directory: the decoders
+    this bench runs sign what they publish with it, and the shards accept and serve that
+    KV as the model's own (without it every prefix would be recomputed locally)."""
+    path = '"${VERICACHE_HOME:-$HOME/.vericache}/state/provenance.key"'
+    return base64.b64decode(cluster.exec(f"base64 -w0 {path}").split()[-1])
+
+
+def publish(stores, token, model, args, key: bytes) -> dict[str, list]:
+    """Publish the workloads' prefixes (with their compressed artifacts); their prompts by
+    workload, and under "probe" the longest prefix (what the link probe fetches)."""
+    shared = model.encode(source_text(0))[: args.shared_tokens]
+    distinct = [
+        model.encode(source_text(i + 1))[: args.distinct_tokens]
+        for i in range(args.distinct_requests)
+    ]
+    publisher = _server(stores, None, model, key)
+    try:
+        _publish(publisher, token, [shared, *distinct], args.compressor)
+    finally:
+        publisher.stop()
+    return {
+        "shared": [shared + suffix(model, i) for i in range(args.requests)],
+        "distinct": [p + suffix(model, i) for i, p in enumerate(distinct)],
+        "probe": shared,
+    }
 
 
 def probe(stores, token, model, prefix, link: str) -> dict:
@@ -152,24 +193,30 @@ def add_pull_columns(row: dict) -> None:
 
 
 HEADER = (
-    f"{'link':9s} {'mode':9s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} {'p95 s':>6s} "
-    f"{'acc/ver':>7s} {'pulled/tok':>10s} {'pull s':>7s} {'stall s':>7s} {'hidden':>6s} identical"
+    f"{'link':9s} {'workload':8s} {'mode':14s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
+    f"{'p95 s':>6s} {'acc/ver':>7s} {'wire/tok':>9s} {'wire ms':>7s} {'shard ms':>8s} "
+    f"{'pull s':>7s} {'stall s':>7s} {'hidden':>6s} identical"
 )
 
 
 def fmt_row(row: dict) -> str:
     ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
-    vericache = row["mode"] == "vericache"
+    vericache = row["mode"].startswith("vericache")
+    pulls = vericache and row["fetch_s"] > 0
+    near = row.get("near_passes", 0) > 0
     acc = f"{row['accepted_per_verification']:.2f}" if vericache else "-"
-    hidden = f"{row['hidden']:.0%}" if vericache and row["hidden"] is not None else "-"
-    pull = f"{row['fetch_s']:7.1f}" if vericache else f"{'-':>7s}"
-    stall = f"{row['stall_s']:7.1f}" if vericache else f"{'-':>7s}"
-    pulled = row["pulled_per_token"]
-    pulled_text = f"{pulled / 1e6:.1f}MB" if pulled >= 1e5 else f"{pulled / 1e3:.1f}KB"
+    hidden = f"{row['hidden']:.0%}" if pulls and row["hidden"] is not None else "-"
+    pull = f"{row['fetch_s']:7.1f}" if pulls else f"{'-':>7s}"
+    stall = f"{row['stall_s']:7.1f}" if pulls else f"{'-':>7s}"
+    wire_ms = f"{1e3 * row['near_wire_per_pass_s']:.0f}" if near else "-"
+    shard_ms = f"{1e3 * row['near_shard_per_pass_s']:.0f}" if near else "-"
+    wire = row["wire_per_token"]
+    wire_text = f"{wire / 1e6:.1f}MB" if wire >= 1e5 else f"{wire / 1e3:.1f}KB"
     return (
-        f"{row['link']:9s} {row['mode']:9s} {row['tokens_per_s']:7.2f} {ratio:>7s} "
-        f"{row['p50_s']:6.1f} {row['p95_s']:6.1f} {acc:>7s} {pulled_text:>10s} {pull} {stall} "
-        f"{hidden:>6s} {row['identical'] or 'reference'}"
+        f"{row['link']:9s} {row['workload']:8s} {row['mode']:14s} {row['tokens_per_s']:7.2f} "
+        f"{ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} {acc:>7s} {wire_text:>9s} "
+        f"{wire_ms:>7s} {shard_ms:>8s} {pull} {stall} {hidden:>6s} "
+        f"{row['identical'] or 'reference'}"
     )
 
 

@@ -19,9 +19,11 @@ Modes: `full` (the strongest full-KV engine we have: one resident copy per prefi
 by its requests), `full+ngram` (the same with prompt-lookup guesses verified in its exact
 passes: lossless, no compression), `lossy` (compressed decoding, not lossless),
 `vericache`, and `vericache+ngram` (the drafter also checks prompt-lookup guesses). A mode
-may name the placement of its decoder's verification passes (DESIGN.md section 4):
-`vericache@pull` pulls the full KV of every prefix not resident, `vericache@near` attends it
-on the shards that hold it (near-data attention); plain `vericache` is the default, `auto`.
+may name the placement of its decoder's verification passes (DESIGN.md section 4), which
+then holds for every pass (no resident copies): `vericache@pull` pulls the prefix's full KV,
+`vericache@near` attends it on the shards that hold it (near-data attention). Plain
+`vericache` is the service's default: resident copies while the budget has room, else
+`auto`.
 
 Columns: aggregate tokens/s (all generated tokens over the batch's wall time) and its ratio
 to the full-KV baseline of the same workload and budget; p50/p95 request latency; accepted
@@ -181,15 +183,18 @@ def write_results(args, model, **results) -> None:
     print(f"\nwrote {args.out}")
 
 
-def _server(stores, budget, model, key: bytes | None = None, placement="auto") -> DecoderServer:
+def _server(stores, budget, model, key: bytes | None = None, mode: str = "") -> DecoderServer:
     """A decoder on the store; `key`: the deployment's provenance key, without which the
-    shards refuse what it publishes (and it trusts only KV it published itself)."""
+    shards refuse what it publishes (and it trusts only KV it published itself). A mode
+    naming a placement (`vericache@near`) gets that placement and no resident copies."""
+    placement = mode.partition("@")[2]
     config = DecoderConfig(
         store_endpoints=stores,
         kv_budget=budget,
         worker_id="bench",
         provenance_key=key,
-        placement=placement,
+        placement=placement or "auto",
+        resident_prefixes=not placement,
     )
     server = DecoderServer(config, worker=None if model is None else _worker(config, model))
     server.start()
@@ -227,9 +232,8 @@ def _full_request_bytes(model, prompt_tokens: int, args) -> int:
 
 def _measure(stores, token, model, prompts, mode, budget, args, key=None) -> dict:
     runs = []
-    placement = mode.partition("@")[2] or "auto"
     for _ in range(args.repeats):
-        server = _server(stores, budget, model, key, placement)
+        server = _server(stores, budget, model, key, mode)
         try:
             runs.append(_batch(server, token, prompts, mode, args))
         finally:

@@ -5,6 +5,7 @@ difference). Needs root: runs in CI; skips with the reason elsewhere."""
 
 from __future__ import annotations
 
+import base64
 import inspect
 import json
 import re
@@ -193,6 +194,54 @@ def test_shaped_links_limit_pulls_and_decoding_stays_exact(
         finally:
             for host in storage:
                 host.shape(None)
+
+
+def deployment_key(cluster: LocalCluster) -> bytes:
+    """The deployment's provenance key, from the head host's state directory."""
+    path = '"${VERICACHE_HOME:-$HOME/.vericache}/state/provenance.key"'
+    return base64.b64decode(cluster.exec(f"base64 -w0 {path}").split()[-1])
+
+
+def test_near_data_verification_across_shaped_links_is_exact(
+    testbed, cluster, document, builtin_model, builtin_runner
+):
+    """A decoder outside the storage hosts verifies near the data across links shaped to
+    1 Gbit/s: the shards on the storage hosts attend the prefix's chunks and return
+    partials; the tokens are full-KV decoding's and the prefix's KV never crosses a link."""
+    from decoder.service.config import DecoderConfig
+    from decoder.service.server import DecoderServer
+    from decoder.service.worker import DecoderWorker
+
+    ray_cluster, stores, decoder = cluster
+    token = tenant(ray_cluster, "dave")
+    doc_ids = builtin_model.encode(document)
+    prompt = doc_ids + builtin_model.encode("\n# Where is the margin computed?\n")[1:]
+    want = reference(builtin_runner, builtin_model, prompt)
+    with DecoderClient(decoder, token) as client:
+        client.publish(token_ids=doc_ids, compressors=["snapkv:budget=0.125"])
+    config = DecoderConfig(
+        store_endpoints=tuple(stores),
+        worker_id="near",
+        provenance_key=deployment_key(ray_cluster),
+        placement="near",
+        resident_prefixes=False,
+    )
+    server = DecoderServer(config, worker=DecoderWorker(config, builtin_model))
+    server.start()
+    storage = [testbed.hosts[name] for name in ("storage1", "storage2")]
+    try:
+        for host in storage:
+            host.shape(125e6)
+        with DecoderClient(server.address, token) as client:
+            reply = client.generate(token_ids=prompt, max_new_tokens=NEW)
+    finally:
+        for host in storage:
+            host.shape(None)
+        server.stop()
+    stats = reply.stats
+    assert reply.tokens == want
+    assert stats["near_passes"] > 0 and stats["pulled_bytes"] == 0
+    assert stats["near_bytes"] / stats["near_passes"] < stats["full_bytes"] / 10
 
 
 def ray_processes(host) -> str:
