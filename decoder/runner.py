@@ -294,11 +294,7 @@ class _PrefixStack:
         self.key_chunk = key_chunk
         self.spans = spans
         self.plans = plans
-        self.offsets: dict[int, int] = {}
-        offset = 0
-        for i in members:
-            self.offsets[i] = offset
-            offset += spans[i][1] - spans[i][0]
+        self.offsets = _stacked_offsets(members, spans)
         self.state: AttentionState | None = None
 
     def attend(self, i: int, layer_kv, q: torch.Tensor) -> torch.Tensor:
@@ -354,11 +350,7 @@ class _RemoteStack:
         self.layer, self.remote = layer, remote
         self.key_chunk = key_chunk
         self.members, self.spans, self.plans = members, spans, plans
-        self.offsets: dict[int, int] = {}
-        offset = 0
-        for i in members:
-            self.offsets[i] = offset
-            offset += spans[i][1] - spans[i][0]
+        self.offsets = _stacked_offsets(members, spans)
         self.state: AttentionState | None = None
 
     def attend(self, i: int, layer_kv, q: torch.Tensor) -> torch.Tensor:
@@ -381,6 +373,15 @@ class _RemoteStack:
             finish=True,
         )
         return state.acc
+
+
+def _stacked_offsets(members: list[int], spans) -> dict[int, int]:
+    """Where each member's rows start once the members' rows are stacked, in order."""
+    offsets, offset = {}, 0
+    for i in members:
+        offsets[i] = offset
+        offset += spans[i][1] - spans[i][0]
+    return offsets
 
 
 def _remote_stacks(layer: int, seqs, spans, plans, key_chunk: int) -> dict[int, _RemoteStack]:

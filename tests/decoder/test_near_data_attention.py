@@ -7,24 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.config import ModelConfig, RunnerConfig
+from decoder.config import RunnerConfig
 from decoder.kernels import fused_kernel
 from decoder.kv_cache import KVCache, LayerKV
 from decoder.runner import ModelRunner, SeqInput
 from decoder.views import SharedPrefixView
 from decoder.weights import random_weights
 from prefix_store.attention import chunk_partials
-
-CONFIG = ModelConfig(
-    vocab_size=400,
-    hidden_size=96,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=16,
-)
-CHUNK = 32
+from tests.decoder.test_shared_prefix_attention import CHUNK, CONFIG, tokens
 
 pytestmark = pytest.mark.skipif(
     fused_kernel(CONFIG.head_dim) is None, reason="near-data attention needs the fused kernel"
@@ -34,10 +24,6 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def runner():
     return ModelRunner(CONFIG, random_weights(CONFIG, seed=9), RunnerConfig(key_chunk=CHUNK))
-
-
-def tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, CONFIG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 class LocalShards:
