@@ -24,9 +24,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoder.staging import PrefixUnavailable
+from prefix_store.attend import FLOAT32, MAX_ROWS
 from prefix_store.attention import Partials, kernel_fingerprint
 from prefix_store.client import CachedPrefix, StoreClient
-from prefix_store.errors import StoreError
+
+RESPONSE_BYTES = 16 << 20
+"""Partials one query may ask of a shard (shards refuse answers over their message limit,
+64 MiB by default): longer passes are split into several queries per layer."""
+FIELDS = ("m", "l", "acc")
 
 
 @dataclass
@@ -68,6 +73,18 @@ class NearData:
         self.base = len(full) * size
         self.length = prefix.tokens
         self.stats = NearStats()
+        self.skip = False
+        """The last near-data try was refused as busy: the next pass pulls."""
+        self.pulled_passes = 0
+        """Passes pulled since near-data was last tried (`auto` placement)."""
+        self.transfer_s = 0.0
+        """Recent near-data passes' transfer wait (their wait for partials less the shards'
+        compute), a moving average: what `auto` placement weighs against pulling."""
+        layout = prefix.layout
+        per_row = len(full) * heads * (layout.head_dim + 2) * FLOAT32
+        self.rows_per_query = max(1, min(MAX_ROWS, RESPONSE_BYTES // max(1, per_row)))
+        """Rows sent in one query: the shards' row bound, and answers within RESPONSE_BYTES
+        even when one shard holds every chunk."""
         self.head_bandwidth = 0.0
         """Bytes per second the head's fetch achieved (0: not measured): a pull's cost."""
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -127,8 +144,15 @@ class RemotePass:
         try:
             if self._session is None:
                 self._session = near.client.open_attention(near.prefix, near.heads, near.kernel)
-            return self._session.query(layer, q)
-        except StoreError as error:
+            step = near.rows_per_query
+            if q.shape[0] <= step:
+                return self._session.query(layer, q)
+            parts = [
+                self._session.query(layer, q[i : i + step].contiguous())
+                for i in range(0, q.shape[0], step)
+            ]
+            return Partials(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in FIELDS))
+        except Exception as error:  # noqa: BLE001 - any failure undoes the pass, never a token
             raise PrefixUnavailable(near.source, error) from error
         finally:
             self.stats.wire_s += time.perf_counter() - started
@@ -141,5 +165,9 @@ class RemotePass:
             self.stats.bytes_received = session.bytes_received
             self.stats.shard_s = session.shard_s
             session.close()
-        self.near.stats.add(self.stats)
+        near = self.near
+        transfer = max(0.0, self.stats.wire_s - self.stats.shard_s)
+        first = near.stats.passes == 0
+        near.transfer_s = transfer if first else 0.5 * (near.transfer_s + transfer)
+        near.stats.add(self.stats)
         return self.stats

@@ -215,7 +215,7 @@ class Engine:
         drafting = [r for r in live if self._drafting(r)]
         upcoming = [r for r in live if r not in drafting or len(r.drafts) + 1 >= r.horizon]
         pulled = dict.fromkeys(r.group for r in grouped(upcoming, lambda r: r.group))
-        pulled = [g for g in pulled if g.pulled]
+        pulled = [g for g in pulled if g.resident is None and not self.exact.attends_near(g)]
         if pulled:
             self.ring.begin([g.pass_group() for g in pulled])
         if drafting:

@@ -23,9 +23,14 @@ from decoder.near_data import RemotePass
 from decoder.runner import Logits, ModelRunner, SeqInput
 from decoder.staging import PrefixUnavailable
 from decoder.views import SharedPrefixView
+from prefix_store.errors import LimitExceeded
 
 if TYPE_CHECKING:
     from decoder.engine.scheduler import Scheduler
+
+REMEASURE = 16
+"""`auto` placement: pulled passes of a near-data-capable prefix before near-data is tried
+(and measured) again."""
 
 Entry = tuple[Running, list[int], Logits]
 """A request, the tokens it feeds to the pass, and which of them need logits."""
@@ -49,20 +54,32 @@ class ExactPasses:
         self.runner = scheduler.runner
         self.ring = scheduler.ring
         self.peak_staging_bytes = 0
-        self._near_layer: LayerKV | None = None
+        self._near_layer: LayerKV | None = None  # for one run: dropped when it ends
 
     def run(self, entries: list[Entry]) -> list:
         """One exact forward over the entries; logits per entry (None for failed ones).
 
         Entries are ordered by prefix group so each prefix layer is staged once."""
+        try:
+            return self._run(entries)
+        finally:
+            self._near_layer = None
+
+    def _run(self, entries: list[Entry]) -> list:
         order = grouped(range(len(entries)), lambda i: entries[i][0].group)
         result: list = [None] * len(entries)
         pending = [i for i in order if not entries[i][0].done]
         while pending:
             groups = list(dict.fromkeys(entries[i][0].group for i in pending))
-            near = [g for g in groups if g.attended_near and self._near_pays(g)]
+            near = [g for g in groups if self.attends_near(g)]
             pulled = [g for g in groups if g.resident is None and g not in near]
+            for g in pulled:
+                if g.near is not None:
+                    g.near.pulled_passes += 1
+                    g.near.skip = False  # a busy refusal costs one pass, not the prefix
             remote = {id(g): (g, g.near.begin_pass()) for g in near}
+            for g in near:
+                g.near.pulled_passes = 0
             before = {i: len(entries[i][0].tail) for i in pending}
             seqs = [self._view(entries[i], pulled, remote) for i in pending]
             if pulled:
@@ -73,7 +90,7 @@ class ExactPasses:
                 self.ring.cancel()
                 for i in pending:
                     entries[i][0].tail.truncate(before[i])
-                self._recover(error)
+                self._recover(error, near)
                 pending = [i for i in pending if not entries[i][0].done]
                 continue
             finally:
@@ -130,22 +147,30 @@ class ExactPasses:
         view = SharedPrefixView(layers, g.source.length, r.tail, prefix_id=g)
         return SeqInput.extend(view, tokens, logits)
 
-    def _near_pays(self, g: PrefixGroup) -> bool:
-        """Whether this pass attends the group's prefix on its shards rather than pulling it:
-        always with placement `near`; with `auto` unless the measured transfer wait of its
-        near-data passes (their wait for partials less the shards' compute, which replaces
-        attention a pull would compute here) exceeds what pulling its bytes takes at the
-        pull bandwidth measured here (the staging ring's reads, else the head's fetch)."""
+    def attends_near(self, g: PrefixGroup) -> bool:
+        """Whether the next pass attends the group's prefix on its shards rather than pulling
+        it (no resident copy): always with placement `near` (unless the last near-data try
+        was refused as busy: that pass pulls); with `auto` unless the measured transfer wait
+        of its near-data passes (their wait for partials less the shards' compute, which
+        replaces attention a pull would compute here) exceeds what pulling its bytes takes
+        at the pull bandwidth measured here (the staging ring's reads, else the head's
+        fetch). After `REMEASURE` pulled passes `auto` tries near-data again (it costs few
+        bytes), so a link that got faster or slower moves the choice."""
         near = g.near
+        if not g.attended_near:
+            return False
         assert near is not None
+        if near.skip:
+            return False
         if self.scheduler.config.placement == "near" or not near.stats.passes:
+            return True
+        if near.pulled_passes >= REMEASURE:
             return True
         ring = self.ring.stats
         bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
         if not bandwidth:
             return True
-        transfer = (near.stats.wire_s - near.stats.shard_s) / near.stats.passes
-        return transfer <= g.source.nbytes / bandwidth
+        return near.transfer_s <= g.source.nbytes / bandwidth
 
     def _near_view(self, r: Running, remote: RemotePass) -> SharedPrefixView:
         """A view whose buffer holds the prefix from `near.base` on (its partial last chunk,
@@ -168,7 +193,8 @@ class ExactPasses:
         )
 
     def _near_buffer(self, capacity: int) -> LayerKV:
-        """The one layer buffer near-data views borrow in turn (like a ring slot), grown to
+        """The one layer buffer near-data views borrow in turn during a run (like a ring
+        slot, within the ring's staging reservation: one layer of head + tail room), grown to
         `capacity` tokens; requests of one layer use it one after another."""
         c = self.runner.config
         if self._near_layer is None or self._near_layer.capacity < capacity:
@@ -177,15 +203,19 @@ class ExactPasses:
             )
         return self._near_layer
 
-    def _recover(self, error: PrefixUnavailable) -> None:
-        """A prefix's full KV failed to arrive: near-data attention falls back to pulling;
-        a pull recomputes it locally, or fails its requests."""
+    def _recover(self, error: PrefixUnavailable, near: list[PrefixGroup]) -> None:
+        """A prefix's full KV failed to arrive. Near-data attention (in the failed attempt,
+        `near`) that was refused as busy pulls for the next pass only; otherwise it falls
+        back to pulling for good. A pull recomputes it locally, or fails its requests."""
         s = self.scheduler
         group = next((g for g in s.groups.values() if g.source is error.source), None)
         if group is None:
             raise error
-        if group.attended_near:
-            s.fall_back_to_pull(group, error.cause)
+        if group in near:
+            if isinstance(error.cause, LimitExceeded) and group.near is not None:
+                group.near.skip = True
+            else:
+                s.fall_back_to_pull(group, error.cause)
             return
         if s.recompute(group, None):
             return

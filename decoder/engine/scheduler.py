@@ -201,7 +201,11 @@ class Scheduler:
         scratch = self._scratch_growth(group, room)
         staging = self._staging_growth(group.source.length + room)
         need = own + shared + scratch + staging - prepaid
-        if not self.budget.try_reserve(need):
+        reserved = self.budget.try_reserve(need)
+        if not reserved and head:  # pulling needs no head: admit it without near-data
+            near, shared, need, head = None, shared - head, need - head, 0
+            reserved = self.budget.try_reserve(need)
+        if not reserved:
             # With nothing of ours in flight, this is what the request needs on its own.
             alone = need + prepaid
             if not self.running and self.budget.limit is not None and alone > self.budget.limit:
@@ -228,6 +232,8 @@ class Scheduler:
         group.charged += shared - (head if group.near is None else 0)
         if group.near is None and head:
             self.budget.release(head)  # its head could not be fetched: the prefix is pulled
+        elif group.near is not None:
+            group.near_charged = head
         group.buffers += buffers
         self._ring_charged += staging
         self._scratch_charged += scratch
@@ -249,6 +255,8 @@ class Scheduler:
             running.proposer = NgramProposer(req.prefix.ngrams, req.suffix)
         if new_group and self.config.mode == "full" and not group.local:
             running.stats.pulled_bytes += group.source.nbytes  # the resident copy's pull
+        if new_group and group.near is not None:
+            running.stats.pulled_bytes += group.near.head_bytes  # the head's pull
         running.stats.compress_s = time.perf_counter() - t0
         return running
 
@@ -324,6 +332,9 @@ class Scheduler:
         """Near-data attention of the group failed beyond its replicas: its passes pull."""
         log.warning("near-data attention failed (%s); the prefix's passes pull it instead", error)
         group.near = None
+        self.budget.release(group.near_charged)  # its head goes with it
+        group.charged -= group.near_charged
+        group.near_charged = 0
 
     def _build_shared(self, group: PrefixGroup) -> None:
         if self.config.mode == "full":

@@ -337,8 +337,10 @@ class AttentionSession:
 
     def _ask(self, query: Query) -> list[tuple[AttendPart, pb.AttendResponse]]:
         if not self._links:
-            self._links = [self._open(part) for part in self.route.start()]
-        self._links = [self._revived(link) for link in self._links]
+            for part in self.route.start():  # one by one: a failed open leaks none opened
+                self._links.append(self._open(part))
+        for i, link in enumerate(self._links):
+            self._links[i] = self._revived(link)
         start = time.perf_counter()
         for link in self._links:
             self._send(link, query)

@@ -240,7 +240,8 @@ def test_near_data_verification_across_shaped_links_is_exact(
         server.stop()
     stats = reply.stats
     assert reply.tokens == want
-    assert stats["near_passes"] > 0 and stats["pulled_bytes"] == 0
+    assert stats["near_passes"] > 0
+    assert stats["pulled_bytes"] <= stats["full_bytes"] * 256 / stats["prefix_tokens"]
     assert stats["near_bytes"] / stats["near_passes"] < stats["full_bytes"] / 10
 
 
