@@ -47,13 +47,9 @@ class PrefixGroup:
         return self.source.length + self.room
 
     @property
-    def pulled(self) -> bool:
-        """Exact passes pull this prefix's full KV (neither resident nor near-data)."""
-        return self.resident is None and self.near is None
-
-    @property
     def attended_near(self) -> bool:
-        """Exact passes attend this prefix on its shards (no resident copy)."""
+        """Exact passes can attend this prefix on its shards (near-data offered, no resident
+        copy); `ExactPasses.attends_near` decides per pass."""
         return self.resident is None and self.near is not None
 
     def pass_group(self) -> PassGroup:
