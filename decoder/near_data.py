@@ -18,6 +18,7 @@ retries with the prefix pulled (or recomputed): a token never leaves a partial p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 
@@ -135,25 +136,50 @@ class RemotePass:
         self.stats = NearStats(passes=1)
         """What this pass cost (added to the prefix's `near.stats` on close)."""
         self._session = None
+        self._started: int | None = None  # the layer whose query is in flight
+
+    def start(self, layer: int, q: torch.Tensor) -> None:
+        """Send layer `layer`'s rows now and collect the partials in `partials`: the runner
+        starts every prefix's query of a layer before it waits for any, so passes over
+        several prefixes wait for the slowest round trip, not for their sum. (A pass too
+        long for one query sends its queries in `partials`, one after another.)"""
+        if q.shape[0] > self.near.rows_per_query:
+            return
+        with self._failures():
+            self._open().submit(layer, q)
+            self._started = layer
 
     def partials(self, layer: int, q: torch.Tensor) -> Partials:
         """The partials of the prefix's chunks below `base` for rows q [T, H, D] (scaled),
         chunks in position order; raises PrefixUnavailable when they cannot be had."""
-        near = self.near
-        started = time.perf_counter()
-        try:
-            if self._session is None:
-                self._session = near.client.open_attention(near.prefix, near.heads, near.kernel)
-            step = near.rows_per_query
+        with self._failures():
+            if self._started == layer:
+                self._started = None
+                return self._open().collect()
+            step = self.near.rows_per_query
             if q.shape[0] <= step:
-                return self._session.query(layer, q)
+                return self._open().query(layer, q)
             parts = [
-                self._session.query(layer, q[i : i + step].contiguous())
+                self._open().query(layer, q[i : i + step].contiguous())
                 for i in range(0, q.shape[0], step)
             ]
             return Partials(*(torch.cat([getattr(p, f) for p in parts], dim=1) for f in FIELDS))
-        except Exception as error:  # noqa: BLE001 - any failure undoes the pass, never a token
-            raise PrefixUnavailable(near.source, error) from error
+
+    def _open(self):
+        if self._session is None:
+            near = self.near
+            self._session = near.client.open_attention(near.prefix, near.heads, near.kernel)
+        return self._session
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """Any failure undoes the pass (PrefixUnavailable), never a token; times the wait."""
+        started = time.perf_counter()
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - whatever failed, the pass is redone
+            self._started = None
+            raise PrefixUnavailable(self.near.source, error) from error
         finally:
             self.stats.wire_s += time.perf_counter() - started
 

@@ -202,7 +202,10 @@ class ModelRunner:
             q = q * self.scale
         out = torch.zeros_like(q)
         stacks = _prefix_stacks(seqs, spans, plans, self.rc.key_chunk)
-        stacks.update(_remote_stacks(index, seqs, spans, plans, self.rc.key_chunk))
+        remote = _remote_stacks(index, seqs, spans, plans, self.rc.key_chunk)
+        for stack in dict.fromkeys(remote.values()):
+            stack.start(q)  # every prefix's shards work while we wait for the first
+        stacks.update(remote)
         for i, (seq, (start, end), plan) in enumerate(zip(seqs, spans, plans, strict=True)):
             layer_kv = seq.cache.layer(index)
             layer_kv.append(
@@ -351,13 +354,21 @@ class _RemoteStack:
         self.key_chunk = key_chunk
         self.members, self.spans, self.plans = members, spans, plans
         self.offsets = _stacked_offsets(members, spans)
+        self.rows: torch.Tensor | None = None
         self.state: AttentionState | None = None
+
+    def start(self, q: torch.Tensor) -> None:
+        """Send the members' rows (q: all rows of the forward, scaled) to the shards."""
+        self.rows = torch.cat([q[self.spans[m][0] : self.spans[m][1]] for m in self.members])
+        self.rows = self.rows.contiguous()
+        self.remote.start(self.layer, self.rows)
 
     def attend(self, i: int, layer_kv, q: torch.Tensor) -> torch.Tensor:
         if self.state is None:
-            rows = torch.cat([q[self.spans[m][0] : self.spans[m][1]] for m in self.members])
-            self.state = AttentionState.start(*rows.shape)
-            parts = self.remote.partials(self.layer, rows.contiguous())
+            if self.rows is None:
+                self.start(q)
+            self.state = AttentionState.start(*self.rows.shape)
+            parts = self.remote.partials(self.layer, self.rows)
             fold(self.state.m, self.state.l, self.state.acc, parts)
         start, end = self.spans[i]
         offset = self.offsets[i]

@@ -306,6 +306,7 @@ class AttentionSession:
     def __init__(self, core: ClientCore, connections, route: AttendRoute) -> None:
         self.core, self._conn, self.route = core, connections, route
         self._links: list[AttendLink] = []
+        self._pending: Query | None = None
         self.bytes_sent = self.bytes_received = 0
         self.wire_s = self.shard_s = 0.0
         self.queries = 0
@@ -326,28 +327,47 @@ class AttentionSession:
     def query(self, layer: int, q: torch.Tensor):
         """Partials of `q` ([rows, heads, head_dim] float32) over every chunk, or raises
         (`KernelMismatch`, `NotFound`, `Unavailable`, `LimitExceeded`, `InvalidArgument`)."""
+        self.submit(layer, q)
+        return self.collect()
+
+    def submit(self, layer: int, q: torch.Tensor) -> None:
+        """Send a query to every shard without waiting for the answers (`collect` them), so a
+        caller can work, or query other sessions' shards, meanwhile. One query at a time."""
+        if self._pending is not None:
+            raise RuntimeError("attend: collect() the query in flight before submitting another")
         query = self.route.query(layer, q)
+        start = time.perf_counter()
         try:
-            answers = self._ask(query)
+            if not self._links:
+                for part in self.route.start():  # one by one: a failed open leaks none opened
+                    self._links.append(self._open(part))
+            for i, link in enumerate(self._links):
+                self._links[i] = self._revived(link)
+            for link in self._links:
+                self._send(link, query)
         except BaseException:
             self._drop_links()  # no stale answer may be read by a later query
             raise
+        finally:
+            self.wire_s += time.perf_counter() - start
+        self._pending = query
+
+    def collect(self):
+        """The partials of the submitted query (see `query`)."""
+        query, self._pending = self._pending, None
+        if query is None:
+            raise RuntimeError("attend: no query in flight")
+        start = time.perf_counter()
+        try:
+            answers = self._collect(query)
+        except BaseException:
+            self._drop_links()
+            raise
+        finally:
+            self.wire_s += time.perf_counter() - start
+        self.shard_s += max(response.compute_s for _, response in answers)
         self.queries += 1
         return self.route.assemble(query, answers)
-
-    def _ask(self, query: Query) -> list[tuple[AttendPart, pb.AttendResponse]]:
-        if not self._links:
-            for part in self.route.start():  # one by one: a failed open leaks none opened
-                self._links.append(self._open(part))
-        for i, link in enumerate(self._links):
-            self._links[i] = self._revived(link)
-        start = time.perf_counter()
-        for link in self._links:
-            self._send(link, query)
-        answers = self._collect(query)
-        self.wire_s += time.perf_counter() - start
-        self.shard_s += max(response.compute_s for _, response in answers)
-        return answers
 
     def _send(self, link: AttendLink, query: Query) -> None:
         link.send(query)
@@ -393,6 +413,7 @@ class AttentionSession:
         return AttendLink(part, self._conn.stub(address).Attend, header, self._conn.metadata)
 
     def _drop_links(self) -> None:
+        self._pending = None
         links, self._links = self._links, []
         for link in links:
             link.close()

@@ -32,6 +32,11 @@ class LocalShards:
     def __init__(self, prefix: KVCache, base: int, fail_at_layer: int | None = None) -> None:
         self.prefix, self.base, self.fail_at_layer = prefix, base, fail_at_layer
         self.calls: list[tuple[int, int]] = []
+        self.started: list[tuple[int, int]] = []
+
+    def start(self, layer: int, q: torch.Tensor) -> None:
+        """Where the shards would start computing (the runner starts every stack first)."""
+        self.started.append((layer, q.shape[0]))
 
     def partials(self, layer: int, q: torch.Tensor):
         if layer == self.fail_at_layer:
@@ -73,6 +78,7 @@ def test_near_data_rows_are_bitwise_a_dense_cache(runner, length):
     got = runner.forward([SeqInput.extend(v, n, "all") for v, n in zip(views, news, strict=True)])
     # the stacked pass asked the shards once per layer, for every request's rows together
     assert shards.calls[-2:] == [(0, 14), (1, 14)]
+    assert shards.started[-2:] == shards.calls[-2:]  # sent before any member waited
 
     for i in range(2):
         dense = runner.new_cache()
