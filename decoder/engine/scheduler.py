@@ -38,6 +38,10 @@ from decoder.staging import LayerRing
 
 log = logging.getLogger(__name__)
 
+PAYBACK_PASSES = 16
+"""A near-data prefix is made resident only when its pull costs at most this many near-data
+passes' transfer waits (DESIGN.md section 4)."""
+
 
 class Scheduler:
     """The queue, the requests in flight and their prefix groups, and their budget."""
@@ -387,7 +391,9 @@ class Scheduler:
         if self.config.mode != "vericache" or not self.config.resident:
             return
         candidates = [
-            g for g in self.groups.values() if g.resident is None and g.members and not g.local
+            g
+            for g in self.groups.values()
+            if g.resident is None and g.members and not g.local and self._resident_pays(g)
         ]
         for group in sorted(candidates, key=lambda g: -g.members):
             nbytes = self.bytes.dense(group.capacity)
@@ -403,6 +409,22 @@ class Scheduler:
             for r in self.running:
                 if r.group is group:
                     r.stats.pulled_bytes += group.source.nbytes / group.members
+
+    def _resident_pays(self, group: PrefixGroup) -> bool:
+        """Whether reading the prefix's full KV here once pays, for a prefix its passes can
+        attend near the data: once a near-data pass was measured, when the pull (its bytes
+        at the pull bandwidth measured here) costs at most `PAYBACK_PASSES` near-data
+        passes' transfer waits. On a slow link near-data passes are cheaper than the copy."""
+        near = group.near
+        if near is None or self.config.placement == "pull":
+            return True
+        if not near.stats.passes:
+            return False
+        ring = self.ring.stats
+        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
+        if not bandwidth:
+            return True
+        return group.source.nbytes / bandwidth <= PAYBACK_PASSES * max(near.transfer_s, 1e-3)
 
     def _demote(self, group: PrefixGroup) -> None:
         """Drop a resident copy: the group's passes pull again (the staging ring was charged

@@ -253,3 +253,20 @@ def test_long_passes_are_split_into_several_queries_per_layer(
         request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
         result = engine(builtin_model, builtin_runner, horizon=6).run([request])[0]
     assert result.tokens == want and result.stats["near_passes"] > 0
+
+
+@pytest.mark.parametrize("payback, resident", [(0, False), (10**6, True)])
+def test_a_resident_copy_is_read_only_when_its_pull_pays_back(
+    payback, resident, builtin_model, builtin_runner, shards, metadata, prompts, monkeypatch
+):
+    """With near-data available, the prefix is read here once only when that pull costs at
+    most PAYBACK_PASSES near-data passes (measured): never at 0, at once at 10**6."""
+    monkeypatch.setattr("decoder.engine.scheduler.PAYBACK_PASSES", payback)
+    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        prefix = published(builtin_model, builtin_runner, client, prompts[0])
+        request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        result = engine(builtin_model, builtin_runner, resident=True).run([request])[0]
+    assert result.tokens == want
+    assert result.stats["resident_prefix"] is resident and result.stats["near_passes"] >= 1
