@@ -18,6 +18,7 @@ retries with the prefix pulled (or recomputed): a token never leaves a partial p
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ RESPONSE_BYTES = 16 << 20
 """Partials one query may ask of a shard (shards refuse answers over their message limit,
 64 MiB by default): longer passes are split into several queries per layer."""
 FIELDS = ("m", "l", "acc")
+RECENT = 8
+"""Near-data passes whose transfer waits are remembered (`NearData.transfer_s`)."""
 
 
 @dataclass
@@ -78,9 +81,9 @@ class NearData:
         """The last near-data try was refused as busy: the next pass pulls."""
         self.pulled_passes = 0
         """Passes pulled since near-data was last tried (`auto` placement)."""
-        self.transfer_s = 0.0
-        """Recent near-data passes' transfer wait (their wait for partials less the shards'
-        compute), a moving average: what `auto` placement weighs against pulling."""
+        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT)
+        """Transfer waits of the latest near-data passes (their wait for partials less the
+        shards' compute)."""
         layout = prefix.layout
         per_row = len(full) * heads * (layout.head_dim + 2) * FLOAT32
         self.rows_per_query = max(1, min(MAX_ROWS, RESPONSE_BYTES // max(1, per_row)))
@@ -89,6 +92,13 @@ class NearData:
         self.head_bandwidth = 0.0
         """Bytes per second the head's fetch achieved (0: not measured): a pull's cost."""
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def transfer_s(self) -> float:
+        """What a near-data verification pass costs in transfer: the least of the recent
+        passes' waits (a suffix prefill's many rows make its pass no typical one); what
+        `auto` placement and resident copies weigh against pulling."""
+        return min(self.recent, default=0.0)
 
     @property
     def head_tokens(self) -> int:
@@ -192,8 +202,6 @@ class RemotePass:
             self.stats.shard_s = session.shard_s
             session.close()
         near = self.near
-        transfer = max(0.0, self.stats.wire_s - self.stats.shard_s)
-        first = near.stats.passes == 0
-        near.transfer_s = transfer if first else 0.5 * (near.transfer_s + transfer)
+        near.recent.append(max(0.0, self.stats.wire_s - self.stats.shard_s))
         near.stats.add(self.stats)
         return self.stats

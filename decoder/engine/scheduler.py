@@ -412,13 +412,13 @@ class Scheduler:
 
     def _resident_pays(self, group: PrefixGroup) -> bool:
         """Whether reading the prefix's full KV here once pays, for a prefix its passes can
-        attend near the data: once a near-data pass was measured, when the pull (its bytes
+        attend near the data: once two near-data passes were measured, when the pull (its bytes
         at the pull bandwidth measured here) costs at most `PAYBACK_PASSES` near-data
         passes' transfer waits. On a slow link near-data passes are cheaper than the copy."""
         near = group.near
         if near is None or self.config.placement == "pull":
             return True
-        if not near.stats.passes:
+        if near.stats.passes < 2:  # the first is a suffix prefill: no typical pass
             return False
         ring = self.ring.stats
         bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
