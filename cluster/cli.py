@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from cluster import decoder_cli, node_cli, store_cli, tls_cli
+from cluster.config_file import ConfigError
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 from prefix_store.tls import TLSClientConfig
@@ -337,10 +338,13 @@ def run_demo(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        ns = build_parser().parse_args(argv)
+        parser = build_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        store_cli.apply_config(parser, argv)
+        ns = parser.parse_args(argv)
         args = ns.parse(ns)
         return ns.run(args)
-    except UsageError as e:
+    except (UsageError, ConfigError) as e:
         print(f"vericache: error: {e}", file=sys.stderr)
         return 2
     except ModelLoadError as e:

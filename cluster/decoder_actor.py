@@ -40,6 +40,10 @@ class DecoderActor:
     def stop(self) -> None:
         self.server.stop()
 
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint ("" when it serves none)."""
+        return self.server.metrics_url
+
     def pid(self) -> int:
         """The actor's process (operators: memory, signals; `make chaos`)."""
         return os.getpid()

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from decoder.config import Placement
 from decoder.service.config import DEFAULT_COMPRESSOR, MAX_NGRAM, DecoderConfig
 from prefix_store.config import ClientConfig, GiB, ShardConfig
 from prefix_store.metadata import Metadata
+from prefix_store.metrics import MetricsConfig
 from prefix_store.provenance import load_or_create_key
 from prefix_store.tls import TLSClientConfig, TLSConfig
 
@@ -117,8 +119,23 @@ class ServeConfig:
     tls_ca: bytes | None = None
     """PEM CA that signed `tls.cert`: decoders verify the shards with it (None: the system's
     trusted roots)."""
+    metrics: bool = True
+    """Every shard and decoder serves Prometheus metrics on its own HTTP port."""
+    metrics_port: int = 0
+    """First metrics port: shard i on metrics_port + i, decoder i on metrics_port + shards
+    + i; 0 = free ports."""
+    metrics_token: str | None = field(default=None, repr=False)
+    """Bearer token the metrics endpoints require; None = a fresh random one (written to
+    the state file, which `vericache status` reads)."""
+    audit_rate: float = 0.0
+    """Share of vericache requests the decoders decode again with full KV, off the hot
+    path, to compare token for token (`decoder.service.audit`); 0: off."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.audit_rate <= 1:
+            raise ValueError("audit_rate: must be in [0, 1]")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port: must be in [0, 65536)")
         if self.tls_ca is not None and self.tls is None:
             raise ValueError("tls_ca: applies with tls only")
         if self.shards < 1:
@@ -132,7 +149,16 @@ class ServeConfig:
         if self.replication is not None and not 1 <= self.replication <= self.shards:
             raise ValueError(f"replication: must be in [1, {self.shards}]")
 
-    def shard(self, index: int, provenance_key: bytes = b"") -> ShardConfig:
+    def metrics_config(self, offset: int, token: str) -> MetricsConfig | None:
+        """The metrics endpoint of the component at `offset` (shards first, then decoders)."""
+        if not self.metrics:
+            return None
+        return MetricsConfig(port=self.metrics_port + offset if self.metrics_port else 0,
+                             token=token)  # fmt: skip
+
+    def shard(
+        self, index: int, provenance_key: bytes = b"", metrics_token: str = ""
+    ) -> ShardConfig:
         """Shard `index`; `provenance_key`: the deployment's public key."""
         return ShardConfig(
             shard_id=f"shard-{index}",
@@ -144,10 +170,15 @@ class ServeConfig:
             data_port=self.data_port + index if self.data_port else 0,
             provenance_key=provenance_key,
             tls=self.tls,
+            metrics=self.metrics_config(index, metrics_token) if metrics_token else None,
         )
 
     def decoder(
-        self, index: int, store_endpoints: list[str], provenance_key: bytes | None = None
+        self,
+        index: int,
+        store_endpoints: list[str],
+        provenance_key: bytes | None = None,
+        metrics_token: str = "",
     ) -> DecoderConfig:
         """Decoder `index`; `provenance_key`: the deployment's private key."""
         return DecoderConfig(
@@ -164,6 +195,10 @@ class ServeConfig:
             provenance_key=provenance_key,
             client=ClientConfig(tls=self.store_client_tls()),
             tls=self.tls,
+            metrics=(
+                self.metrics_config(self.shards + index, metrics_token) if metrics_token else None
+            ),
+            audit_rate=self.audit_rate,
         )
 
     def store_client_tls(self) -> TLSClientConfig | None:
@@ -197,7 +232,12 @@ class Deployment:
         self.signer = load_or_create_key(Path(config.state_dir) / "provenance.key")
         """The deployment's provenance key (docs/DESIGN.md section 8): decoders sign the KV
         they publish with it, shards check signatures with its public half."""
+        self.metrics_token = config.metrics_token or secrets.token_urlsafe(24)
+        """What every metrics endpoint of the deployment requires (state file only)."""
+        self.metrics: dict[str, str] = {}
+        """Metrics endpoint of each component ("shard-0", "decoder-0", ...)."""
         self._owns_ray = False
+        self._written = False
 
     def start(self) -> Deployment:
         """Start everything; on any failure, stop what did start and re-raise."""
@@ -271,11 +311,21 @@ class Deployment:
         """(Re)start shard `index` on its storage node; it finds its disk tier again."""
         node = spread(nodes_with(STORAGE_RESOURCE), index, "storage")
         placement = self._placement(f"shard-{index}", node)
-        config = self.config.shard(index, self.signer.verifier.public_bytes)
+        config = self.config.shard(index, self.signer.verifier.public_bytes, self.metrics_token)
         actor = shard_actor(config, self.redis_url, placement)
         address = ray.get(actor.start.remote(), timeout=120)
         self.actors[index], self.endpoints[index] = actor, address
+        self._metrics_of(f"shard-{index}", actor)
         return address
+
+    def _metrics_of(self, name: str, actor) -> None:
+        """Record a (re)started component's metrics endpoint (in the state file too, once
+        the deployment is up: a restarted shard serves on a new port)."""
+        url = ray.get(actor.metrics_url.remote(), timeout=30)
+        if url:
+            self.metrics[name] = url
+        if self._written:
+            self._write_state()
 
     def start_decoder(self, index: int) -> str:
         """Start decoder `index` on a decoder node (any node when there are none)."""
@@ -286,21 +336,24 @@ class Deployment:
         if nodes:
             placement["resources"] = {DECODER_RESOURCE: 1}
         gpus = any(n["Resources"].get("GPU", 0) >= 1 for n in nodes or alive_nodes())
-        config = self.config.decoder(index, stores, self.signer.private_bytes)
+        config = self.config.decoder(index, stores, self.signer.private_bytes, self.metrics_token)
         actor = decoder_actor(config, gpus, placement)
         address = ray.get(actor.start.remote(), timeout=300)
         self.decoder_actors[index], self.decoders[index] = actor, address
+        self._metrics_of(f"decoder-{index}", actor)
         return address
 
     def kill_shard(self, index: int) -> None:
         """Kill a shard's process abruptly (no flush, no deregistration): a crash."""
         ray.kill(self.actors.pop(index))
         self.endpoints.pop(index, None)
+        self.metrics.pop(f"shard-{index}", None)
 
     def stop_shard(self, index: int) -> None:
         """Stop a shard gracefully (its memory tier is persisted to disk first)."""
         actor = self.actors.pop(index)
         self.endpoints.pop(index, None)
+        self.metrics.pop(f"shard-{index}", None)
         try:
             ray.get(actor.stop.remote(), timeout=60)
         finally:
@@ -317,11 +370,14 @@ class Deployment:
             "ray_address": self.config.address or "embedded",
             "detached": self.config.detach,
             "tls": self.config.tls_mode,
+            "metrics": dict(sorted(self.metrics.items())),
+            "metrics_token": self.metrics_token,
             "started": time.time(),
             "pid": os.getpid(),
         }
         state_file().parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(state_file(), json.dumps(state, indent=2))  # 0600: the Redis password
+        self._written = True
 
     def stop(self) -> None:
         for index, actor in list(self.decoder_actors.items()):

@@ -32,6 +32,10 @@ class ShardActor:
     def stats(self) -> dict:
         return self.server.servicer.shard_stats()
 
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint ("" when it serves none)."""
+        return self.server.metrics_url
+
     def pid(self) -> int:
         """The actor's process (operators: memory, signals; `make chaos`)."""
         return os.getpid()

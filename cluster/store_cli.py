@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 from cluster import tls_cli
@@ -39,6 +40,13 @@ def parse_bytes(text: str) -> int:
 def add_commands(sub) -> None:
     """Register the store subcommands (each sets `parse` and `run`, as cli.py expects)."""
     serve = sub.add_parser("serve", help="run the prefix store (embedded, or on a Ray cluster)")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        help="YAML file of flags (keys: flag names, e.g. 'shards: 4', 'memory-bytes: 4GiB'); "
+        "every flag may also come from $VERICACHE_<FLAG>; the command line wins, then the "
+        "environment, then the file",
+    )
     serve.add_argument(
         "--address",
         help="Ray cluster address ('auto' on a cluster node); default: embedded on this machine",
@@ -128,6 +136,31 @@ def add_commands(sub) -> None:
         help="with --address: leave the service running on the cluster and exit "
         "(`vericache stop --address ...` removes it)",
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="first Prometheus metrics port: shard i on PORT+i, decoder i on PORT+shards+i "
+        "(default: free ports)",
+    )
+    serve.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve no Prometheus metrics endpoints",
+    )
+    serve.add_argument(
+        "--metrics-token",
+        help="bearer token the metrics endpoints require (default: $VERICACHE_METRICS_TOKEN, "
+        "else a random one, written to the state file)",
+    )
+    serve.add_argument(
+        "--audit-rate",
+        type=float,
+        default=0.0,
+        help="share of vericache requests decoded again with full KV off the hot path and "
+        "compared token for token (the vericache_decoder_audits_total metric; default 0: off)",
+    )
     tls_cli.add_server_flags(serve)
     serve.set_defaults(parse=lambda ns: ns, run=run_serve)
 
@@ -138,6 +171,15 @@ def add_commands(sub) -> None:
     status = sub.add_parser("status", help="shards, capacity, usage per tenant, hit rates")
     status.add_argument("--redis-url", help="default: the service started on this machine")
     status.add_argument("--json", action="store_true")
+    status.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh the figures every SECONDS (default 2) until Ctrl-C",
+    )
+    tls_cli.add_client_flags(status)
     status.set_defaults(parse=lambda ns: ns, run=run_status)
 
     tenant = sub.add_parser("tenant", help="manage tenants").add_subparsers(
@@ -192,6 +234,18 @@ def add_commands(sub) -> None:
     nlist.set_defaults(parse=lambda ns: ns, run=run_namespace_list)
 
 
+def apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`serve`'s flags from its --config file and VERICACHE_* variables (`config_file`)."""
+    from cluster import config_file
+
+    if argv[:1] != ["serve"]:
+        return
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    config_file.apply(
+        sub.choices["serve"], config_file.config_path(argv), config_file.environment()
+    )
+
+
 def _compressor(spec: str) -> str:
     from decoder.compressors import parse_compressor
     from decoder.errors import CompressorSpecError
@@ -210,7 +264,30 @@ def metadata(ns) -> Metadata:
 
 
 def run_serve(ns) -> int:
-    from cluster.serve import Deployment, ServeConfig, home
+    from cluster.serve import Deployment
+
+    config = serve_config(ns)
+    if config.detach:
+        return serve_detached(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    deployment = Deployment(config)
+    try:
+        deployment.start()
+        print_endpoints(deployment)
+        print("  next: vericache tenant add NAME   (Ctrl-C stops the service)", flush=True)
+        stop.wait()
+    finally:
+        print("vericache store: shutting down", flush=True)
+        deployment.stop()
+    return 0
+
+
+def serve_config(ns):
+    """The typed `ServeConfig` of serve's flags (from the command line, the environment
+    and --config alike)."""
+    from cluster.serve import ServeConfig, home
 
     tls, tls_ca = tls_cli.server_tls(ns)
     try:
@@ -236,24 +313,14 @@ def run_serve(ns) -> int:
             detach=ns.detach,
             tls=tls,
             tls_ca=tls_ca,
+            metrics=ns.metrics,
+            metrics_port=ns.metrics_port,
+            metrics_token=ns.metrics_token,
+            audit_rate=ns.audit_rate,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from error
-    if config.detach:
-        return serve_detached(config)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    deployment = Deployment(config)
-    try:
-        deployment.start()
-        print_endpoints(deployment)
-        print("  next: vericache tenant add NAME   (Ctrl-C stops the service)", flush=True)
-        stop.wait()
-    finally:
-        print("vericache store: shutting down", flush=True)
-        deployment.stop()
-    return 0
+    return config
 
 
 def serve_detached(config) -> int:
@@ -281,6 +348,8 @@ def print_endpoints(deployment) -> None:
         print(f"  store    {endpoint}")
     for endpoint in deployment.decoders.values():
         print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
+    for name, url in sorted(deployment.metrics.items()):
+        print(f"  metrics  {url}   ({name}; bearer token in the state file)")
     from cluster.serve import state_file
 
     print(
@@ -332,10 +401,27 @@ FAULTS = ("corrupt", "lost_spills", "disk_write_errors", "disk_rejected")
 
 
 def run_status(ns) -> int:
+    if ns.watch is not None and ns.watch <= 0:
+        raise InvalidArgument("--watch: the period must be > 0 seconds")
+    if ns.watch is None:
+        _print_status(ns)
+        return 0
+    try:
+        while True:
+            print("\033[H\033[2J", end="")  # clear the terminal
+            _print_status(ns)
+            print(f"(every {ns.watch:g} s; Ctrl-C stops)", flush=True)
+            time.sleep(ns.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print_status(ns) -> None:
     status = _status(metadata(ns))
+    status["live"] = _live(ns)
     if ns.json:
         print(json.dumps(status, indent=2))
-        return 0
+        return
     print(f"shards: {len(status['shards'])} live, replication {status['replication']}")
     print(
         f"  {'shard':<10} {'address':<22} {'memory':>21} {'disk':>21} {'chunks':>7} "
@@ -356,7 +442,25 @@ def run_status(ns) -> int:
         quota = _size(t["quota"]) if t["quota"] else "unlimited"
         shared = ", ".join(t["namespaces"]) or "-"
         print(f"  {t['name']:<16} {_size(t['bytes']):>12} of {quota:<12} shared: {shared}")
-    return 0
+    if status["live"] is not None:
+        from cluster.live import render
+
+        print("\n".join(render(status["live"])), flush=True)
+
+
+def _live(ns) -> dict | None:
+    """Live figures from the metrics endpoints of the service this machine runs (None
+    when the status is of another deployment, by --redis-url)."""
+    from cluster.live import live_figures
+    from cluster.serve import read_state
+
+    try:
+        state = read_state()
+    except FileNotFoundError:
+        return None
+    if ns.redis_url and ns.redis_url != state.get("redis_url"):
+        return None
+    return live_figures(state, tls_cli.client_tls(ns))
 
 
 def run_tenant_add(ns) -> int:

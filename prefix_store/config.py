@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prefix_store.data_plane import DataPlaneLimits
 from prefix_store.limits import CallBounds
+from prefix_store.metrics import MetricsConfig
 from prefix_store.tls import TLSClientConfig, TLSConfig
 
 MiB = 1 << 20
@@ -66,6 +67,8 @@ class ShardConfig:
     tls: TLSConfig | None = None
     """Serve gRPC and the data plane over TLS (mTLS when it has a client CA); None: in the
     clear. PEM bytes, so that a shard actor on another host needs no certificate file."""
+    metrics: MetricsConfig | None = None
+    """Serve Prometheus metrics on their own port (`prefix_store.metrics`); None: none."""
 
     def __post_init__(self) -> None:
         if self.receive_bytes < self.max_put_bytes:

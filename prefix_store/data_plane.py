@@ -282,6 +282,11 @@ class DataPlane:
             self._tickets[ticket] = Transfer(run, close, expires, peer, nbytes, owner_key, ticket)
         return ticket
 
+    def load(self) -> tuple[int, int]:
+        """Tickets waiting to be redeemed, and connections open (operators' metrics)."""
+        with self._lock:
+            return len(self._tickets), len(self._connections)
+
     def _expire(self, now: float) -> None:
         with self._lock:
             expired = [t for t, x in self._tickets.items() if x.expires < now]

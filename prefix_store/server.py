@@ -44,10 +44,12 @@ from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallLimits, IdleStreams, TenantSlots
 from prefix_store.metadata import Metadata, Tenant
+from prefix_store.metrics import MetricsServer
 from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
-from prefix_store.status import abort
+from prefix_store.shard_metrics import ShardMetrics
+from prefix_store.status import abort, code_of
 from prefix_store.tls import bind, server_context
 
 log = logging.getLogger(__name__)
@@ -90,9 +92,10 @@ def unary(method):
     @functools.wraps(method)
     def handler(self, raw, context):
         try:
-            call = self.authenticate(context)
-            with self.limits.admit(call.tenant.name):
-                return method(self, self.request(method.__name__, raw, context), call)
+            with self.metrics.rpc.call(method.__name__, code_of):
+                call = self.authenticate(context)
+                with self.limits.admit(call.tenant.name):
+                    return method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001 - every failure gets a precise status
             abort(context, error, f"PrefixStore.{method.__name__}")
 
@@ -105,9 +108,10 @@ def streaming(method):
     @functools.wraps(method)
     def handler(self, raw, context):
         try:
-            call = self.authenticate(context)
-            with self.limits.admit(call.tenant.name):
-                yield from method(self, self.request(method.__name__, raw, context), call)
+            with self.metrics.rpc.call(method.__name__, code_of):
+                call = self.authenticate(context)
+                with self.limits.admit(call.tenant.name):
+                    yield from method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001
             abort(context, error, f"PrefixStore.{method.__name__}")
 
@@ -172,6 +176,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         """The attention kernel this shard serves Attend with ("" = none)."""
         self.attend_slots = TenantSlots(config.max_attend_streams_per_tenant, "Attend streams")
         self.attend_stats = attend.AttendStats()
+        self.metrics = ShardMetrics(self, config.metrics.tenant_labels if config.metrics else 32)
 
     def check_size(self, name: str, nbytes: int) -> None:
         if nbytes > self.config.max_message_bytes:
@@ -241,10 +246,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 
     @unary
     def Lookup(self, request, context):
-        _, space = self._caller(context, request.namespace)
+        tenant, space = self._caller(context, request.namespace)
         result = self.shard.lookup(
             space, layout_of(request), request.token_ids, request.chunk_indices
         )
+        asked = len(set(request.chunk_indices)) if request.chunk_indices else len(result.keys)
+        self.metrics.looked_up(tenant.name, len(result.present), asked - len(result.present))
         return pb.LookupResponse(
             chunk_keys=result.keys,
             present=result.present,
@@ -551,6 +558,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             "lookup_hits": stats.hits,
             "lookup_misses": stats.misses,
             "fetched_bytes": stats.fetched_bytes,
+            "received_bytes": stats.received_bytes,
+            "stored_bytes": stats.stored_bytes,
             "evictions": stats.evictions,
             "leased_chunks": counts["leased"],
             # Faults survived: blobs that failed their checksum, evicted blobs lost to a
@@ -680,6 +689,17 @@ class ShardServer:
         self.server, self.port = create_server(self.servicer, config)
         self.address = f"{config.advertised}:{self.port}"
         self.data_address = data_address
+        self.metrics = None
+        """Its Prometheus endpoint (`metrics_url`), when `config.metrics` asks for one."""
+        if config.metrics is not None:
+            self.metrics = MetricsServer(
+                self.servicer.metrics.registry,
+                config.metrics,
+                config.host,
+                config.advertised,
+                config.tls,
+            )
+        self.metrics_url = self.metrics.url if self.metrics is not None else ""
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
 
@@ -687,6 +707,8 @@ class ShardServer:
         self.server.start()
         if self.data_plane is not None:
             self.data_plane.start()
+        if self.metrics is not None:
+            self.metrics.start()
         self._heartbeat()
         self._beat.start()
         log.info("shard %s serving on %s", self.config.shard_id, self.address)
@@ -697,6 +719,7 @@ class ShardServer:
             **self.servicer.shard_stats(),
             "data_address": self.data_address,
             "attention_kernel": self.servicer.kernel,
+            "metrics_url": self.metrics_url,
         }
         self.metadata.heartbeat(
             self.config.shard_id, self.address, info, self.shard.usage(), self.config.ttl_s
@@ -718,5 +741,7 @@ class ShardServer:
             log.warning("shard %s: deregister failed: %s", self.config.shard_id, error)
         if self.data_plane is not None:
             self.data_plane.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
         self.shard.flush()

@@ -155,6 +155,10 @@ class ShardStats:
     hits: int = 0
     misses: int = 0
     fetched_bytes: int = 0
+    received_bytes: int = 0
+    """Bytes of committed puts (chunks and artifacts), already held ones included."""
+    stored_bytes: int = 0
+    """Of which new to this shard."""
     evictions: int = 0
     corrupt: int = 0
     lost_spills: int = 0
@@ -442,6 +446,8 @@ class Shard:
                 self._place(blob)
             for blob in blobs:
                 self._claims[blob.id] += 1
+            self.stats.received_bytes += sum(b.nbytes for b in blobs)
+            self.stats.stored_bytes += new_bytes
         self._settle_change(failed, new)
         return Committed([b.id[2] for b in blobs], new_bytes, [b.id[2] for b in new])
 
@@ -620,6 +626,8 @@ class Shard:
             if old is not None:
                 self._drop(blob.id)
             self._place(blob)
+            self.stats.received_bytes += blob.nbytes
+            self.stats.stored_bytes += blob.nbytes
         self._settle_change(failed, [blob])
         return blob.nbytes
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -33,11 +34,14 @@ class RequestStats:
     """Of which the shards computed."""
     compress_s: float = 0.0
     prefill_s: float = 0.0
+    rounds: Counter = field(default_factory=Counter)
+    """Verifications by the number of drafts they accepted."""
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.verifications += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rounds[accepted] += 1
 
     def speculation(self, generated: int) -> dict[str, float | int]:
         """The draft/verify figures of the result (vericache mode)."""
@@ -50,6 +54,7 @@ class RequestStats:
             "accepted_per_verification": round(self.accepted / v, 3),
             "tokens_per_verification": round((generated - 1) / v, 3),
             "drafts_per_draft_step": round(self.drafted / max(1, self.draft_steps), 3),
+            "accepted_histogram": {str(k): n for k, n in sorted(self.rounds.items())},
         }
 
     def ngram(self) -> dict[str, int]:

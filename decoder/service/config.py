@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from decoder.config import Placement
 from prefix_store.config import ClientConfig
 from prefix_store.limits import CallBounds
+from prefix_store.metrics import MetricsConfig
 from prefix_store.tls import TLSConfig
 
 DEFAULT_COMPRESSOR = "snapkv:budget=0.125"
@@ -75,6 +76,14 @@ class DecoderConfig:
     worker signs the KV it publishes with it and verifies only against KV it signed. None:
     a key of this worker's own, so that it trusts only what it published itself (other
     workers recompute such prefixes); `vericache serve` gives every worker the deployment's."""
+    metrics: MetricsConfig | None = None
+    """Serve Prometheus metrics on their own port (`decoder.service.metrics`); None: none."""
+    audit_rate: float = 0.0
+    """Share of finished vericache requests (and full ones with n-gram guesses) decoded
+    again with full KV off the hot path and compared token for token
+    (`decoder.service.audit`); 0: off."""
+    audit_queue: int = 4
+    """Sampled requests waiting for their audit; a sample beyond this is skipped."""
 
     def __post_init__(self) -> None:
         if self.calls.total >= self.max_workers:
@@ -93,5 +102,9 @@ class DecoderConfig:
             raise ValueError(f"max_engines must be >= 1, got {self.max_engines}")
         if self.store_clients < 1:
             raise ValueError(f"store_clients must be >= 1, got {self.store_clients}")
+        if not 0 <= self.audit_rate <= 1:
+            raise ValueError(f"audit_rate must be in [0, 1], got {self.audit_rate}")
+        if self.audit_queue < 1:
+            raise ValueError(f"audit_queue must be >= 1, got {self.audit_queue}")
         if self.auth_recheck_s < 0:
             raise ValueError(f"auth_recheck_s must be >= 0 s, got {self.auth_recheck_s}")

@@ -24,11 +24,12 @@ from grpc_reflection.v1alpha import reflection
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.service.config import DecoderConfig
-from decoder.service.status import abort
+from decoder.service.status import abort, code_of
 from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
 from prefix_store.limits import CallLimits
+from prefix_store.metrics import MetricsServer
 from prefix_store.server import parse
 from prefix_store.tls import bind
 
@@ -44,9 +45,10 @@ def unary(message_class):
         @functools.wraps(method)
         def handler(self, raw, context):
             try:
-                token = bearer_token(context.invocation_metadata())
-                with self.worker.authenticate(token) as client, self.admit(client):
-                    return method(self, token, parse(message_class, raw), context)
+                with self.worker.metrics.rpc.call(method.__name__, code_of):
+                    token = bearer_token(context.invocation_metadata())
+                    with self.worker.authenticate(token) as client, self.admit(client):
+                        return method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001 - every failure gets a precise status
                 abort(context, error, f"Decoder.{method.__name__}")
 
@@ -62,9 +64,10 @@ def streaming(message_class):
         @functools.wraps(method)
         def handler(self, raw, context):
             try:
-                token = bearer_token(context.invocation_metadata())
-                with self.worker.authenticate(token) as client, self.admit(client):
-                    yield from method(self, token, parse(message_class, raw), context)
+                with self.worker.metrics.rpc.call(method.__name__, code_of):
+                    token = bearer_token(context.invocation_metadata())
+                    with self.worker.authenticate(token) as client, self.admit(client):
+                        yield from method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001
                 abort(context, error, f"Decoder.{method.__name__}")
 
@@ -157,12 +160,27 @@ class DecoderServer:
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"
+        self.metrics = None
+        """Its Prometheus endpoint (`metrics_url`), when `config.metrics` asks for one."""
+        if config.metrics is not None:
+            self.metrics = MetricsServer(
+                self.worker.metrics.registry,
+                config.metrics,
+                config.host,
+                config.advertise_host,
+                config.tls,
+            )
+        self.metrics_url = self.metrics.url if self.metrics is not None else ""
 
     def start(self) -> str:
+        if self.metrics is not None:
+            self.metrics.start()
         self.server.start()
         log.info("decoder %s serving on %s", self.config.worker_id, self.address)
         return self.address
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.server.stop(grace_s).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.worker.close()

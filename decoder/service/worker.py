@@ -26,11 +26,13 @@ are closed least recently used first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -49,8 +51,10 @@ from decoder.kv_source import FullKVSource
 from decoder.loader import LoadedModel, load_model
 from decoder.runner import ModelRunner, SeqInput
 from decoder.sampling import SamplingParams
+from decoder.service.audit import Auditor, Sample
 from decoder.service.clients import StoreClients
 from decoder.service.config import MAX_NGRAM, DecoderConfig
+from decoder.service.metrics import DecoderMetrics
 from decoder.service.scheduler import Scheduler
 from decoder.service.status import BadRequest
 from decoder.store_source import StoreKVSource, kv_layout
@@ -131,6 +135,13 @@ class DecoderWorker:
         )
         self._lock = threading.Lock()
         parse_compressor(config.default_compressor)  # fail at start-up, not per request
+        self.metrics = DecoderMetrics(self, config.metrics.tenant_labels if config.metrics else 32)
+        self.auditor = Auditor(
+            config.audit_rate,
+            self._replay,
+            lambda result: self.metrics.audits.labels(result).inc(),
+            config.audit_queue,
+        )
 
     @staticmethod
     def _signer(config: DecoderConfig) -> Signer:
@@ -143,6 +154,7 @@ class DecoderWorker:
         return Signer.generate()
 
     def close(self) -> None:
+        self.auditor.close()
         self.scheduler.stop()
         self._clients.close()
 
@@ -224,8 +236,13 @@ class DecoderWorker:
         except ValueError as error:
             raise BadRequest(f"sampling: {error}") from None
 
-    def generate(self, token: str, spec: GenerateSpec, cancelled=lambda: False) -> Iterator:
-        """Yield (token ids, text) as tokens are verified, then the final (stop, stats)."""
+    def generate(
+        self, token: str, spec: GenerateSpec, cancelled=lambda: False, observed: bool = True
+    ) -> Iterator:
+        """Yield (token ids, text) as tokens are verified, then the final (stop, stats).
+        `observed`: count the request in the metrics and offer it to the audit (False for
+        the audit's own replays)."""
+        request_id = uuid.uuid4().hex[:12]
         client = self.client(token)
         prompt = spec.prompt[:-1]
         entry = self._entry(client, prompt, spec.namespace, spec.use_unsigned_prefix, cancelled)
@@ -248,11 +265,35 @@ class DecoderWorker:
                 entry.prepaid = 0  # the ticket holds it now
                 ticket.on_done = lambda: events.put(_DONE)
                 cached = entry.cached.tokens if entry.cached is not None else 0
-                yield from self._stream(ticket, events, cancelled, {"cached_tokens": cached})
+                extra = {"cached_tokens": cached, "request_id": request_id}
+                done = (lambda *a: self._finished(token, tenant, spec, *a)) if observed else None
+                yield from self._stream(ticket, events, cancelled, extra, done)
         finally:
             self._release(entry)
 
-    def _stream(self, ticket, events: queue.Queue, cancelled, extra: dict) -> Iterator:
+    def _finished(self, token: str, tenant: str, spec: GenerateSpec, result, stats: dict) -> None:
+        """A request's last token is out: count it, and audit it when sampled (modes that
+        claim full-KV outputs: vericache, and full with prompt-lookup guesses)."""
+        self.metrics.finished(tenant, stats)
+        lossless = spec.mode == "vericache" or (spec.mode == "full" and spec.ngram > 0)
+        if not lossless or not self.auditor.sampled():
+            return
+        sampling = spec.sampling
+        if "seed" in stats:  # the seed an unseeded sampling request was given
+            sampling = dataclasses.replace(sampling, seed=stats["seed"])
+        spec = dataclasses.replace(spec, sampling=sampling)
+        self.auditor.offer(Sample(stats["request_id"], token, spec, tuple(result.tokens)))
+
+    def _replay(self, sample: Sample) -> list[int]:
+        """The audit's reference: the sample decoded in full mode, as its caller could."""
+        spec = dataclasses.replace(sample.spec, mode="full", ngram=0, horizon=None)
+        tokens: list[int] = []
+        for event in self.generate(sample.token, spec, observed=False):
+            if event[0] == "tokens":
+                tokens.extend(event[1])
+        return tokens
+
+    def _stream(self, ticket, events: queue.Queue, cancelled, extra: dict, done=None) -> Iterator:
         try:
             yield from self._events(ticket, events, cancelled)
         finally:
@@ -269,6 +310,8 @@ class DecoderWorker:
             **result.stats,
             **extra,
         }
+        if done is not None:
+            done(result, stats)
         yield ("done", result.stop_reason, json.dumps(stats))
 
     def _events(self, ticket, events: queue.Queue, cancelled) -> Iterator:

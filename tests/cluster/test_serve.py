@@ -159,3 +159,11 @@ def test_operator_commands(deployment, capsys):
     shards = json.loads(capsys.readouterr().out)["shards"]
     assert all(s["corrupt"] == s["lost_spills"] == s["disk_write_errors"] == 0 for s in shards)
     assert main(["status"]) == 0  # finds the deployment through its state file
+    out = capsys.readouterr().out
+    assert "live (from the metrics endpoints)" in out and "unreachable" not in out
+    assert main(["status", "--json"]) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    assert sorted(live) == ["shard-0", "shard-1"]
+    assert all("memory_bytes" in f and f["url"].startswith("http://") for f in live.values())
+    assert sum(f.get("requests", 0) for f in live.values()) > 0
+    assert deployment.metrics_token not in json.dumps(live)

@@ -8,6 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+
+import pytest
 
 from cluster.cli import main
 from decoder.service import DecoderClient
@@ -46,6 +50,11 @@ def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, m
         endpoint = next(x.split()[1] for x in lines if x.strip().startswith("store"))
         decoder = next(x.split()[1] for x in lines if x.strip().startswith("decoder"))
         assert (tmp_path / "cluster.json").exists()
+        metrics = [x.split()[1] for x in lines if x.strip().startswith("metrics")]
+        assert len(metrics) == 2  # the shard's and the decoder's
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no token
+            urllib.request.urlopen(metrics[0], timeout=5)
+        assert refused.value.code == 401
         capsys.readouterr()
         assert main(["tenant", "add", "alice"]) == 0
         token = capsys.readouterr().out.strip()
@@ -54,6 +63,11 @@ def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, m
         with DecoderClient(decoder, token) as client:
             info = client.info()
             assert info.worker_id == "decoder-0" and info.in_flight == 0
+        capsys.readouterr()
+        assert main(["status"]) == 0
+        live = capsys.readouterr().out.split("live (from the metrics endpoints):")[1]
+        assert "decoder-0" in live and "shard-0" in live and "tok/s" in live
+        assert "unreachable" not in live
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0
         assert "shutting down" in process.stdout.read()

@@ -1,0 +1,230 @@
+"""Prometheus metrics: each shard, decoder and gateway keeps its own registry and serves it
+on its own HTTP port (`MetricsServer`), behind a bearer token.
+
+Conventions (https://prometheus.io/docs/practices/naming/): names `vericache_<component>_
+<what>_<unit>`, counters end in `_total`, sizes are bytes and times seconds. Labels are
+bounded: methods and status codes are finite sets, and tenant names go through
+`TenantLabels`, which gives the first `tenant_labels` tenants a component sees their own
+value and folds every later one into `OTHER`. No label carries a token, a prompt or a key.
+
+Every endpoint needs `Authorization: Bearer <token>` (the deployment's metrics token: a
+Prometheus scrape config gives it as `authorization: {credentials: ...}`); it is served
+over TLS with the component's certificate when the component serves TLS. What it shows
+is for operators: shard-wide and per-tenant figures, never any tenant's data.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from prefix_store.tls import TLSClientConfig, TLSConfig, client_context, server_context
+
+log = logging.getLogger(__name__)
+
+OTHER = "_other"
+"""The tenant label of every tenant beyond a component's first `tenant_labels`."""
+OK = "OK"
+"""The `code` label of a call that succeeded (others: the gRPC status code's name)."""
+PATH = "/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """A component's metrics endpoint."""
+
+    port: int = 0
+    """HTTP port (0 = a free one; the bound one is reported)."""
+    token: str = field(default="", repr=False)
+    """The bearer token a scrape must present (required: the endpoint is never open)."""
+    tenant_labels: int = 32
+    """Distinct tenant label values; later tenants are counted under `OTHER`."""
+    max_connections: int = 8
+    """Scrapes served at once; more get 503."""
+    timeout_s: float = 5.0
+    """A connection that sends no complete request within this is closed."""
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("metrics token: required (the metrics endpoint is authenticated)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"metrics port must be in [0, 65536), got {self.port}")
+        if self.tenant_labels < 1:
+            raise ValueError("tenant_labels: must be >= 1")
+
+
+class TenantLabels:
+    """Bounded tenant label values: the first `limit` tenants seen keep their name."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        with self._lock:
+            if tenant in self._seen:
+                return tenant
+            if len(self._seen) < self.limit:
+                self._seen.add(tenant)
+                return tenant
+        return OTHER
+
+
+class RpcMetrics:
+    """Calls of one gRPC service by method and final status, and their durations."""
+
+    def __init__(self, registry: CollectorRegistry, component: str) -> None:
+        self.calls = Counter(
+            f"vericache_{component}_requests_total",
+            "RPCs served, by method and final status code (OK or the gRPC code's name).",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            f"vericache_{component}_request_seconds",
+            "Wall time of RPCs (streams: until their last message), by method.",
+            ["method"],
+            registry=registry,
+            buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10, 60, 300),
+        )
+
+    @contextmanager
+    def call(self, method: str, code_of) -> Iterator[None]:
+        """Counts the block as one call of `method`: OK, or `code_of(error)` for the error
+        it raises (re-raised). A generator that is closed early counts as CANCELLED."""
+        start = time.perf_counter()
+        code = OK
+        try:
+            yield
+        except GeneratorExit:
+            code = grpc.StatusCode.CANCELLED.name
+            raise
+        except BaseException as error:
+            code = code_of(error).name
+            raise
+        finally:
+            self.calls.labels(method, code).inc()
+            self.seconds.labels(method).observe(time.perf_counter() - start)
+
+
+class MetricsServer:
+    """Serves a registry at http(s)://host:port/metrics to callers with the token."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        config: MetricsConfig,
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        tls: TLSConfig | None = None,
+    ) -> None:
+        self.config = config
+        handler = _handler(registry, config, threading.BoundedSemaphore(config.max_connections))
+        self._server = ThreadingHTTPServer((host, config.port), handler, bind_and_activate=False)
+        self._server.daemon_threads = True
+        self._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.server_bind()
+        self._server.server_activate()
+        if tls is not None:
+            context = server_context(tls)
+            self._server.socket = context.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self.port = self._server.server_address[1]
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://{advertise_host or host}:{self.port}{PATH}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics", daemon=True
+        )
+
+    def start(self) -> str:
+        self._thread.start()
+        return self.url
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()
+
+
+def _handler(registry: CollectorRegistry, config: MetricsConfig, slots: threading.Semaphore):
+    expected = f"Bearer {config.token}".encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = config.timeout_s
+        server_version = "vericache-metrics"
+        sys_version = ""
+
+        def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.settimeout(config.timeout_s)
+                self.request.do_handshake()
+            super().setup()
+
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            if not slots.acquire(blocking=False):
+                return self._reply(503, b"too many scrapes at once\n")
+            try:
+                self._serve()
+            finally:
+                slots.release()
+
+        def _serve(self) -> None:
+            if self.path.split("?", 1)[0] != PATH:
+                return self._reply(404, b"not found; metrics are at /metrics\n")
+            given = (self.headers.get("Authorization") or "").encode()
+            if not hmac.compare_digest(given, expected):
+                return self._reply(401, b"a bearer token is required\n", bearer=True)
+            self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def _reply(self, status: int, body: bytes, kind: str = "text/plain", bearer=False):
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            if bearer:
+                self.send_header("WWW-Authenticate", 'Bearer realm="vericache metrics"')
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 - the API's name
+            pass  # no per-scrape log lines (nothing to learn; headers hold the token)
+
+    return Handler
+
+
+def scrape(url: str, token: str, timeout_s: float = 5.0, tls: TLSClientConfig | None = None) -> str:
+    """The text exposition at `url` (`vericache status`); https verifies the server with
+    `tls` (its CA; its client certificate under mTLS), else the system's roots. Raises
+    OSError when unreachable and PermissionError when the token is refused."""
+    import urllib.error
+    import urllib.request
+
+    context = None
+    if url.startswith("https://"):
+        context = client_context(tls) if tls is not None else ssl.create_default_context()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as error:
+        if error.code == 401:
+            raise PermissionError(f"{url}: the metrics token was refused") from None
+        raise OSError(f"{url}: HTTP {error.code}") from None
