@@ -141,7 +141,7 @@ def test_a_restarted_shard_serves_its_disk_tier(deployment, capsys):
     deployment.start_shard(1)
 
 
-def test_operator_commands(deployment, capsys):
+def test_operator_commands(deployment, capsys, monkeypatch):
     url = deployment.redis_url
     tenant("ops-a", url, capsys)
     tenant("ops-b", url, capsys)
@@ -158,6 +158,8 @@ def test_operator_commands(deployment, capsys):
     assert main(["status", "--redis-url", url, "--json"]) == 0
     shards = json.loads(capsys.readouterr().out)["shards"]
     assert all(s["corrupt"] == s["lost_spills"] == s["disk_write_errors"] == 0 for s in shards)
+    with client(deployment, tenant("ops-c", url, capsys)) as store:  # Describe: one call
+        assert store.topology.tenant == "ops-c"
     assert main(["status"]) == 0  # finds the deployment through its state file
     out = capsys.readouterr().out
     assert "live (from the metrics endpoints)" in out and "unreachable" not in out
@@ -167,3 +169,13 @@ def test_operator_commands(deployment, capsys):
     assert all("memory_bytes" in f and f["url"].startswith("http://") for f in live.values())
     assert sum(f.get("requests", 0) for f in live.values()) > 0
     assert deployment.metrics_token not in json.dumps(live)
+
+    def interrupt(seconds):
+        assert seconds == 0.5
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("cluster.store_cli.time.sleep", interrupt)
+    assert main(["status", "--watch", "0.5"]) == 0  # one refresh, then Ctrl-C
+    out = capsys.readouterr().out
+    assert "live (from the metrics endpoints)" in out and "every 0.5 s" in out
+    assert main(["status", "--watch", "0"]) == 2
