@@ -1,0 +1,70 @@
+"""The router's typed configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefix_store.config import ClientConfig
+from prefix_store.limits import CallBounds
+from prefix_store.metrics import MetricsConfig
+from prefix_store.tls import TLSClientConfig, TLSConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """One router: where the store is (to authenticate callers), how it listens, how it
+    chooses and watches decoders."""
+
+    store_endpoints: tuple[str, ...]
+    """host:port of one or more shards: callers' tokens are checked against the store."""
+    decoders: tuple[tuple[str, str], ...] = ()
+    """(decoder host:port, its metrics URL or "") of the decoders at start; later changes
+    come through `RouterServer.set_decoders`."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """gRPC port (0 = any free port; the bound one is reported)."""
+    advertise_host: str | None = None
+    router_id: str = "router-0"
+    model: str | None = None
+    """The decoders' model folder (None: the built-in model): only its tokenizer is loaded,
+    to route text prompts."""
+    affinity_chunks: int = 2
+    """Full 256-token chunks of a prompt that make its routing identity."""
+    load_factor: float = 1.25
+    """Bounded loads: no decoder takes a request while it holds load_factor times the
+    average (rounded up)."""
+    max_attempts: int = 3
+    """Decoders one request may be tried on (first attempt included)."""
+    poll_s: float = 0.5
+    """How often decoders' health and load are read."""
+    down_after: int = 2
+    """Consecutive failed health checks after which a decoder is out (its streams move)."""
+    silence_s: float = 60.0
+    """A decoder that sent a request's first tokens and then nothing for this long is taken
+    as hung: the stream moves to another decoder."""
+    metrics_token: str = field(default="", repr=False)
+    """Token of the decoders' metrics endpoints (their load reports); "": in-flight counts
+    of this router only."""
+    decoder_tls: TLSClientConfig | None = None
+    """TLS to the decoders (None: in the clear)."""
+    client: ClientConfig = field(default_factory=ClientConfig)
+    """How the router's store clients connect (authentication)."""
+    tls: TLSConfig | None = None
+    """Serve gRPC over TLS (mTLS when it has a client CA); None: in the clear."""
+    metrics: MetricsConfig | None = None
+    max_workers: int = 64
+    calls: CallBounds = field(default_factory=lambda: CallBounds(per_tenant=16, total=48))
+    store_clients: int = 64
+    auth_recheck_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.store_endpoints:
+            raise ValueError("store_endpoints: at least one host:port is required")
+        if self.affinity_chunks < 1:
+            raise ValueError("affinity_chunks must be >= 1")
+        if self.load_factor < 1:
+            raise ValueError("load_factor must be >= 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.calls.total >= self.max_workers:
+            raise ValueError("calls.total must be below max_workers")

@@ -1,0 +1,230 @@
+"""The live decoders, as one router sees them.
+
+The set comes from whoever deploys the router (`set`: at start, and on every change: a
+decoder added, restarted on a new port, or removed); nothing else is kept, so a restarted
+router rebuilds it from the deployment. Every `poll_s` each decoder gets a gRPC health
+check and, when it lists a metrics endpoint, a scrape of its load (requests in flight and
+queued, KV budget use). A decoder that fails `down_after` checks in a row is out: the
+streams it serves are cancelled, so that they move to other decoders, and it gets no new
+request until a check succeeds again. A stream that has sent tokens and then nothing for
+`silence_s` is cancelled the same way (a hung decoder).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from decoder.router.affinity import Load
+from decoder.router.config import RouterConfig
+from prefix_store.metrics import scrape
+from prefix_store.tls import make_channel
+
+log = logging.getLogger(__name__)
+SERVICE = "vericache.v1.Decoder"
+
+
+@dataclass(eq=False)
+class Watch:
+    """One forwarded stream: cancelled when its decoder goes out or falls silent."""
+
+    call: grpc.Future | None = None
+    last: float = field(default_factory=time.monotonic)
+    streaming: bool = False
+    """It has sent tokens (silence counts from then on)."""
+    reason: str = ""
+    """Why the router cancelled it ("" = it did not)."""
+
+    def heard(self) -> None:
+        self.last = time.monotonic()
+        self.streaming = True
+
+    def cut(self, reason: str) -> None:
+        self.reason = reason
+        if self.call is not None:
+            self.call.cancel()
+
+
+@dataclass(eq=False)
+class Member:
+    endpoint: str
+    metrics_url: str
+    channel: grpc.Channel
+    healthy: bool = True
+    failures: int = 0
+    reported: Load = field(default_factory=Load)
+    """Its own report (every caller's requests)."""
+    in_flight: int = 0
+    """Requests this router has on it now."""
+    routed: int = 0
+    """Requests this router sent it, in all."""
+    watches: set[Watch] = field(default_factory=set)
+
+    def load(self) -> Load:
+        requests = max(self.in_flight, self.reported.requests)
+        return Load(requests, self.reported.budget_use)
+
+
+class Members:
+    """The decoders and their load; thread-safe. `close` stops the polling."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._members: dict[str, Member] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll_loop, name="router-poll", daemon=True)
+        self.set(dict(config.decoders))
+        self._thread.start()
+
+    def set(self, decoders: dict[str, str]) -> None:
+        """The decoders are now exactly `decoders` (endpoint -> metrics URL or "")."""
+        with self._lock:
+            gone = [m for e, m in self._members.items() if e not in decoders]
+            for endpoint, url in decoders.items():
+                member = self._members.get(endpoint)
+                if member is None:
+                    channel = make_channel(endpoint, (), self.config.decoder_tls)
+                    self._members[endpoint] = Member(endpoint, url, channel)
+                else:
+                    member.metrics_url = url
+            for member in gone:
+                del self._members[member.endpoint]
+        for member in gone:
+            self._out(member, "it left the deployment")
+            member.channel.close()
+
+    def loads(self) -> dict[str, Load]:
+        """The healthy decoders and their load."""
+        with self._lock:
+            return {e: m.load() for e, m in self._members.items() if m.healthy}
+
+    def channel(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            return self._members[endpoint].channel
+
+    @contextmanager
+    def holding(self, endpoint: str) -> Iterator[Watch]:
+        """A request on `endpoint` for the block: counted in its load, and watched."""
+        watch = Watch()
+        with self._lock:
+            member = self._members.get(endpoint)
+            if member is None:
+                raise LookupError(endpoint)
+            member.in_flight += 1
+            member.routed += 1
+            member.watches.add(watch)
+        try:
+            yield watch
+        finally:
+            with self._lock:
+                member.in_flight -= 1
+                member.watches.discard(watch)
+
+    def failed(self, endpoint: str) -> None:
+        """A call found `endpoint` unreachable: out now (the next good check brings it back)."""
+        with self._lock:
+            member = self._members.get(endpoint)
+        if member is not None:
+            member.failures = self.config.down_after
+            self._out(member, "a call found it unreachable")
+
+    def snapshot(self) -> list[dict]:
+        """Per decoder: health, load and requests routed (`vericache status`)."""
+        with self._lock:
+            return [
+                {
+                    "endpoint": m.endpoint,
+                    "healthy": m.healthy,
+                    "in_flight": m.in_flight,
+                    "reported_requests": m.reported.requests,
+                    "budget_use": round(m.reported.budget_use, 3),
+                    "routed": m.routed,
+                }
+                for m in self._members.values()
+            ]
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            members = list(self._members.values())
+        for member in members:
+            member.channel.close()
+
+    # -- polling ------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            with self._lock:
+                members = list(self._members.values())
+            for member in members:
+                try:
+                    self._poll(member)
+                except Exception as error:  # noqa: BLE001 - keep watching the others
+                    log.warning("router: polling %s failed: %s", member.endpoint, error)
+
+    def _poll(self, member: Member) -> None:
+        if self._healthy(member):
+            member.failures = 0
+            if not member.healthy:
+                log.info("router: decoder %s is back", member.endpoint)
+            member.healthy = True
+            member.reported = self._reported(member)
+        else:
+            member.failures += 1
+            if member.failures >= self.config.down_after:
+                self._out(member, f"{member.failures} health checks failed")
+        now = time.monotonic()
+        with self._lock:
+            silent = [
+                w
+                for w in member.watches
+                if w.streaming and now - w.last > self.config.silence_s and not w.reason
+            ]
+        for watch in silent:
+            log.warning("router: decoder %s went silent mid-stream; moving it", member.endpoint)
+            watch.cut("silent")
+
+    def _healthy(self, member: Member) -> bool:
+        stub = health_pb2_grpc.HealthStub(member.channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _reported(self, member: Member) -> Load:
+        if not member.metrics_url or not self.config.metrics_token:
+            return member.reported
+        try:
+            text = scrape(
+                member.metrics_url, self.config.metrics_token, 1.0, self.config.decoder_tls
+            )
+        except (OSError, PermissionError):
+            return member.reported
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = sample.value
+        requests = int(values.get("vericache_decoder_in_flight", 0))
+        requests += int(values.get("vericache_decoder_queued", 0))
+        budget = values.get("vericache_decoder_kv_budget_bytes", 0)
+        used = values.get("vericache_decoder_kv_used_bytes", 0)
+        return Load(requests, used / budget if budget else 0.0)
+
+    def _out(self, member: Member, why: str) -> None:
+        if member.healthy:
+            log.warning("router: decoder %s is out (%s)", member.endpoint, why)
+        member.healthy = False
+        with self._lock:
+            watches = list(member.watches)
+        for watch in watches:
+            watch.cut("decoder out")

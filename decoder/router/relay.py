@@ -1,0 +1,178 @@
+"""One Generate call relayed to decoders, continued on another decoder when one fails.
+
+A request's tokens are a pure function of the model, the prompt, the parameters and the
+seed (docs/DESIGN.md section 1), and a sampled request without a seed is given one here
+before its first attempt. So when its decoder fails or falls silent, the same request
+sent to another decoder streams the same tokens from the start: the relay drops the ones
+the caller already has, checks that they are the ones it sent (a difference is DATA_LOSS,
+never a spliced stream), and goes on. The caller sees one uninterrupted stream.
+
+Which failures move a request: a decoder that is unreachable or went away (UNAVAILABLE,
+or a stream that ended without its final event), one the router cut (out, or silent:
+CANCELLED), a deadline, a decoder busy before the first token (RESOURCE_EXHAUSTED), or an
+INTERNAL error. Anything else is the request's own failure (a bad argument, an unknown
+token, a prefix that cannot be served) and reaches the caller as the decoder said it.
+A request is failed only when no decoder is left to try, or after `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+from vericache.v1 import decoder_pb2 as dpb
+
+from decoder.router.members import Members
+
+log = logging.getLogger(__name__)
+
+MOVE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+"""Codes on which a request moves to another decoder (RESOURCE_EXHAUSTED too, before the
+first token: a busy decoder)."""
+
+
+class Forwarded(Exception):
+    """A decoder's final status for the call, to give the caller as it is."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing=()) -> None:
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, tuple(trailing or ())
+
+
+class Diverged(Exception):
+    """Another decoder's stream disagrees with the tokens already sent (DATA_LOSS)."""
+
+
+class Relay:
+    """The events of one Generate request, over as many decoders as it takes."""
+
+    def __init__(
+        self,
+        members: Members,
+        order: Callable[[], list[str]],
+        request: bytes,
+        metadata: tuple,
+        max_attempts: int,
+        on_failover: Callable[[], None] = lambda: None,
+    ) -> None:
+        """order(): the decoders to try, best first (asked again before every attempt)."""
+        self.members = members
+        self.order = order
+        self.request = request
+        self.metadata = metadata
+        self.max_attempts = max_attempts
+        self.on_failover = on_failover
+        self.sent: list[int] = []
+        self.text = ""
+        self.decoders: list[str] = []
+        """Where each attempt went, in order."""
+
+    def events(self) -> Iterator[dpb.GenerateEvent]:
+        tried: set[str] = set()
+        last: Forwarded | None = None
+        while len(self.decoders) < self.max_attempts:
+            decoder = next((d for d in self.order() if d not in tried), None)
+            if decoder is None:
+                break
+            tried.add(decoder)
+            if self.decoders:
+                self.on_failover()
+            self.decoders.append(decoder)
+            try:
+                yield from self._attempt(decoder)
+                return
+            except Forwarded as failure:
+                if not self._moves(failure):
+                    raise
+                log.warning(
+                    "router: decoder %s failed a request after %d tokens (%s); moving it",
+                    decoder,
+                    len(self.sent),
+                    failure.code.name,
+                )
+                last = failure
+        why = f"{last.code.name}: {last.details}" if last else "no decoder is live"
+        raise Forwarded(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no decoder could serve the request after {len(self.decoders)} attempt(s) ({why})",
+        )
+
+    def _moves(self, failure: Forwarded) -> bool:
+        if failure.code in MOVE:
+            return True
+        return failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.sent
+
+    def _attempt(self, decoder: str) -> Iterator[dpb.GenerateEvent]:
+        got: list[int] = []
+        text = ""
+        try:
+            with self.members.holding(decoder) as watch:
+                call = generate_stub(self.members.channel(decoder))(
+                    self.request, metadata=self.metadata
+                )
+                watch.call = call
+                try:
+                    for event in call:
+                        if event.HasField("tokens"):
+                            watch.heard()
+                            got.extend(event.tokens.ids)
+                            text += event.tokens.text
+                            fresh = self._fresh(got, text)
+                            if fresh is not None:
+                                yield fresh
+                        else:
+                            yield self._done(event, got)
+                            return
+                finally:
+                    call.cancel()  # the caller went away, or this attempt ended: stop it
+        except LookupError:
+            raise Forwarded(grpc.StatusCode.UNAVAILABLE, f"decoder {decoder} left") from None
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.members.failed(decoder)
+            details = error.details() or ""
+            raise Forwarded(error.code(), details, error.trailing_metadata()) from None
+        raise Forwarded(grpc.StatusCode.UNAVAILABLE, "the stream ended without its final event")
+
+    def _fresh(self, got: list[int], text: str) -> dpb.GenerateEvent | None:
+        """The part of this attempt's tokens the caller has not seen (None: nothing new);
+        the part it has seen must be exactly what it was sent."""
+        overlap = min(len(got), len(self.sent))
+        if got[:overlap] != self.sent[:overlap]:
+            raise Diverged(
+                f"a decoder's tokens differ from those already streamed at position "
+                f"{next(i for i in range(overlap) if got[i] != self.sent[i])}"
+            )
+        if len(got) <= len(self.sent):
+            return None
+        ids, piece = got[len(self.sent) :], text[len(self.text) :]
+        self.sent, self.text = list(got), text
+        return dpb.GenerateEvent(tokens=dpb.Tokens(ids=ids, text=piece))
+
+    def _done(self, event: dpb.GenerateEvent, got: list[int]) -> dpb.GenerateEvent:
+        if len(got) < len(self.sent):
+            raise Diverged(f"a decoder ended after {len(got)} of the {len(self.sent)} tokens sent")
+        stats = json.loads(event.done.stats_json or "{}")
+        stats["router"] = {"decoders": list(self.decoders), "failovers": len(self.decoders) - 1}
+        return dpb.GenerateEvent(
+            done=dpb.Done(stop_reason=event.done.stop_reason, stats_json=json.dumps(stats))
+        )
+
+
+def generate_stub(channel: grpc.Channel):
+    """Decoder.Generate with the request as bytes (already serialised) and parsed events."""
+    return channel.unary_stream(
+        "/vericache.v1.Decoder/Generate",
+        request_serializer=lambda raw: raw,
+        response_deserializer=dpb.GenerateEvent.FromString,
+    )

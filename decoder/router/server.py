@@ -1,0 +1,286 @@
+"""The router's gRPC server: the `Decoder` service in front of the deployment's decoders.
+
+Every method authenticates the caller's token against the store first (as a decoder
+does: an unknown token is UNAUTHENTICATED before any byte of the request is parsed), takes
+one of the caller's call slots, and forwards the call with the caller's own credentials,
+so decoders see, authorize and account for the caller exactly as if it had called them.
+
+- Generate goes to the decoder its prefix identity and the decoders' loads choose
+  (`affinity.choose`), and moves to another one if that decoder fails (`relay.Relay`). A
+  sampled request without a seed is given one here first.
+- Publish goes to the decoder that requests over the published prefix will go to (so
+  the compressed copy it builds is where they need it), on another one if it is down.
+- Info sums what the live decoders report (`worker_id` is the router's).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
+from vericache.v1 import decoder_pb2 as dpb
+
+from decoder.router.affinity import choose, prefix_identity
+from decoder.router.config import RouterConfig
+from decoder.router.members import Members
+from decoder.router.relay import Diverged, Forwarded, Relay
+from decoder.service.clients import StoreClients
+from decoder.service.status import abort, code_of
+from prefix_store.auth import bearer_token
+from prefix_store.limits import CallLimits
+from prefix_store.metrics import MetricsServer, RpcMetrics
+from prefix_store.server import parse
+from prefix_store.tls import bind
+
+log = logging.getLogger(__name__)
+SERVICE = "vericache.v1.Decoder"
+TEXT_CHARS_PER_TOKEN = 16
+"""Text prompts are tokenized only as far as routing needs: this many characters per
+token of the identity's chunks (far more than any tokenizer's average)."""
+
+
+def routed_code(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, Forwarded):
+        return error.code
+    if isinstance(error, Diverged):
+        return grpc.StatusCode.DATA_LOSS
+    return code_of(error)
+
+
+def _handler(stream: bool):
+    """Authenticate, take a call slot, then serve (the decoder's `unary`/`streaming`)."""
+
+    def wrap(method):
+        def fail(self, context, error):
+            if isinstance(error, Forwarded):
+                context.set_trailing_metadata(error.trailing)
+                context.abort(error.code, error.details)
+            if isinstance(error, Diverged):
+                log.error("router: %s", error)
+                context.abort(grpc.StatusCode.DATA_LOSS, str(error))
+            abort(context, error, f"Router.{method.__name__}")
+
+        if stream:
+
+            @functools.wraps(method)
+            def streaming(self, raw, context):
+                try:
+                    with self.rpc.call(method.__name__, routed_code):
+                        token = bearer_token(context.invocation_metadata())
+                        with (
+                            self.clients.held(token) as client,
+                            self.limits.admit(client.topology.tenant),
+                        ):
+                            yield from method(self, token, client, raw, context)
+                except Exception as error:  # noqa: BLE001 - every failure gets a precise status
+                    fail(self, context, error)
+
+            return streaming
+
+        @functools.wraps(method)
+        def unary(self, raw, context):
+            try:
+                with self.rpc.call(method.__name__, routed_code):
+                    token = bearer_token(context.invocation_metadata())
+                    with (
+                        self.clients.held(token) as client,
+                        self.limits.admit(client.topology.tenant),
+                    ):
+                        return method(self, token, client, raw, context)
+            except Exception as error:  # noqa: BLE001
+                fail(self, context, error)
+
+        return unary
+
+    return wrap
+
+
+class RouterServicer:
+    def __init__(self, config: RouterConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.members = Members(config)
+        self.clients = StoreClients(
+            config.store_endpoints, config.client, config.store_clients, config.auth_recheck_s
+        )
+        self.limits = CallLimits(config.calls)
+        self.registry = CollectorRegistry()
+        self.rpc = RpcMetrics(self.registry, "router")
+        self.failovers = Counter(
+            "vericache_router_failovers_total",
+            "Requests moved to another decoder after theirs failed (mid-stream included).",
+            registry=self.registry,
+        )
+
+    def close(self) -> None:
+        self.members.close()
+        self.clients.close()
+
+    @_handler(stream=True)
+    def Generate(self, token, client, raw, context):
+        request = parse(dpb.GenerateRequest, raw)
+        if request.sampling.temperature > 0 and not request.sampling.HasField("seed"):
+            request.sampling.seed = secrets.randbits(64)  # every attempt samples alike
+            raw = request.SerializeToString()
+        identity = self._identity(client, request)
+        relay = Relay(
+            self.members,
+            lambda: choose(identity, self.members.loads(), self.config.load_factor),
+            raw,
+            _forwarded(context),
+            self.config.max_attempts,
+            self.failovers.inc,
+        )
+        yield from relay.events()
+
+    @_handler(stream=False)
+    def Publish(self, token, client, raw, context):
+        request = parse(dpb.PublishRequest, raw)
+        identity = self._identity(client, request)
+        return self._unary("Publish", identity, raw, context, dpb.PublishResponse)
+
+    @_handler(stream=False)
+    def Info(self, token, client, raw, context):
+        parse(dpb.InfoRequest, raw)
+        total = dpb.InfoResponse(worker_id=self.config.router_id)
+        for endpoint in self.members.loads():
+            try:
+                info = self._call(endpoint, "Info", raw, context, dpb.InfoResponse)
+            except grpc.RpcError:
+                continue  # a decoder going down: the others still answer
+            total.model_id = total.model_id or info.model_id
+            total.default_compressor = total.default_compressor or info.default_compressor
+            for name in ("kv_budget", "kv_used", "in_flight", "queued", "kv_cached",
+                         "cached_prefixes", "engines"):  # fmt: skip
+                setattr(total, name, getattr(total, name) + getattr(info, name))
+        return total
+
+    def _identity(self, client, request) -> int:
+        """The request's prefix identity, in the namespace it names (an unknown namespace
+        gets a salt no namespace has: its decoder reports it as NOT_FOUND)."""
+        salt = client.topology.salts.get(request.namespace, b"?" + request.namespace.encode())
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            tokens = list(request.token_ids.ids)
+        elif which == "text":
+            chars = self.config.affinity_chunks * 256 * TEXT_CHARS_PER_TOKEN
+            tokens = list(self.tokenizer.encode(request.text[:chars], add_special_tokens=False))
+            salt += b"chat" if request.chat else b"text"
+        else:
+            tokens = []
+        return prefix_identity(tokens, salt, self.config.affinity_chunks)
+
+    def _unary(self, method: str, identity: int, raw: bytes, context, response):
+        """A unary call on the request's decoder, or the next one when it is unreachable."""
+        order = choose(identity, self.members.loads(), self.config.load_factor)
+        for endpoint in order[: self.config.max_attempts]:
+            try:
+                return self._call(endpoint, method, raw, context, response)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    details = error.details() or ""
+                    raise Forwarded(error.code(), details, error.trailing_metadata()) from None
+                self.members.failed(endpoint)
+        raise Forwarded(grpc.StatusCode.UNAVAILABLE, "no decoder could serve the request")
+
+    def _call(self, endpoint: str, method: str, raw: bytes, context, response):
+        call = self.members.channel(endpoint).unary_unary(
+            f"/{SERVICE}/{method}",
+            request_serializer=lambda r: r,
+            response_deserializer=response.FromString,
+        )
+        with self.members.holding(endpoint):
+            return call(raw, metadata=_forwarded(context), timeout=context.time_remaining())
+
+    def set_decoders(self, decoders: dict[str, str]) -> None:
+        self.members.set(decoders)
+
+
+def _forwarded(context) -> tuple:
+    """The caller's credentials, passed on as they came."""
+    return tuple((k, v) for k, v in context.invocation_metadata() if k == "authorization")
+
+
+def handlers(servicer: RouterServicer) -> grpc.GenericRpcHandler:
+    def serialize(message) -> bytes:
+        return message.SerializeToString()
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, response_serializer=serialize
+            ),
+            "Publish": grpc.unary_unary_rpc_method_handler(
+                servicer.Publish, response_serializer=serialize
+            ),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                servicer.Info, response_serializer=serialize
+            ),
+        },
+    )
+
+
+class RouterServer:
+    """A router serving gRPC (and its metrics, when configured)."""
+
+    def __init__(self, config: RouterConfig, tokenizer=None) -> None:
+        self.config = config
+        self.servicer = RouterServicer(config, tokenizer or load_tokenizer(config.model))
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="route"),
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        self.server.add_generic_rpc_handlers((handlers(self.servicer),))
+        health_servicer = health.HealthServicer()
+        health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        self.port = bind(self.server, f"{config.host}:{config.port}", config.tls)
+        if self.port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self.address = f"{config.advertise_host or config.host}:{self.port}"
+        self.metrics = None
+        if config.metrics is not None:
+            self.metrics = MetricsServer(
+                self.servicer.registry, config.metrics, config.host, config.advertise_host,
+                config.tls,
+            )  # fmt: skip
+        self.metrics_url = self.metrics.url if self.metrics is not None else ""
+
+    def start(self) -> str:
+        if self.metrics is not None:
+            self.metrics.start()
+        self.server.start()
+        log.info("router %s serving on %s", self.config.router_id, self.address)
+        return self.address
+
+    def set_decoders(self, decoders: dict[str, str]) -> None:
+        """The live decoder set is now `decoders` (endpoint -> metrics URL or "")."""
+        self.servicer.set_decoders(decoders)
+
+    def decoders(self) -> list[dict]:
+        return self.servicer.members.snapshot()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.server.stop(grace_s).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.servicer.close()
+
+
+def load_tokenizer(model: str | None):
+    """The decoders' tokenizer alone (no weights): routing text prompts needs only it."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from decoder.loader import builtin_model_dir, default_cache_dir
+
+    folder = builtin_model_dir(default_cache_dir()) if model is None else Path(model)
+    return AutoTokenizer.from_pretrained(str(folder))
