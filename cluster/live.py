@@ -46,6 +46,8 @@ def _add(values: dict, name: str, labels: dict, value: float) -> None:
         values[f"lookup_{labels['result']}s"] += value
     elif metric == "generated_tokens_total":
         values["tokens"] += value
+    elif metric == "failovers_total":
+        values["failovers"] += value
     elif metric == "audits_total":
         values[f"audits_{labels['result']}"] += value
     elif metric == "tier_bytes":
@@ -56,6 +58,7 @@ def _add(values: dict, name: str, labels: dict, value: float) -> None:
         "kv_budget_bytes",
         "in_flight",
         "queued",
+        "cached_prefixes",
         "data_plane_tickets",
         "leased_blobs",
         "evictions_total",
@@ -71,13 +74,19 @@ def render(figures: dict[str, dict]) -> list[str]:
     for name, f in figures.items():
         if "error" in f:
             lines.append(f"  {name:<10} unreachable: {f['error']}")
+        elif name.startswith("router"):
+            lines.append(
+                f"  {name:<10} {f.get('requests', 0):>7.0f} calls ({f.get('errors', 0):.0f} "
+                f"failed)  {f.get('failovers', 0):.0f} moved to another decoder"
+            )
         elif name.startswith("decoder"):
             budget = _size(f.get("kv_budget_bytes", 0)) if f.get("kv_budget_bytes") else "unlimited"
             lines.append(
                 f"  {name:<10} {f.get('tokens_per_second', 0):7.2f} tok/s  "
                 f"{f.get('tokens', 0):>9.0f} tokens  {f.get('requests', 0):>6.0f} calls "
                 f"({f.get('errors', 0):.0f} failed)  in flight {f.get('in_flight', 0):.0f}, "
-                f"queued {f.get('queued', 0):.0f}  KV {_size(f.get('kv_used_bytes', 0))} of "
+                f"queued {f.get('queued', 0):.0f}  prefixes {f.get('cached_prefixes', 0):.0f}  "
+                f"KV {_size(f.get('kv_used_bytes', 0))} of "
                 f"{budget}  audits {f.get('audits_identical', 0):.0f} identical, "
                 f"{f.get('audits_mismatch', 0):.0f} mismatched"
             )

@@ -36,8 +36,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
 from cluster.redis_server import RedisServer, redis_actor_class, write_private
+from cluster.router_actor import router_actor
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
 from decoder.config import Placement
+from decoder.router.config import RouterConfig
 from decoder.service.config import DEFAULT_COMPRESSOR, MAX_NGRAM, DecoderConfig
 from prefix_store.config import ClientConfig, GiB, ShardConfig
 from prefix_store.metadata import Metadata
@@ -99,6 +101,11 @@ class ServeConfig:
     """Decoder workers (0 = the store alone)."""
     decoder_port: int = 0
     """First decoder gRPC port (decoder i on decoder_port + i); 0 = free ports."""
+    routers: int | None = None
+    """Routers in front of the decoders (the one endpoint applications need); None = 1
+    when there are decoders."""
+    router_port: int = 0
+    """First router gRPC port (router i on router_port + i); 0 = free ports."""
     kv_budget: int | None = None
     """KV bytes per decoder worker (None = unlimited)."""
     compressor: str = DEFAULT_COMPRESSOR
@@ -122,8 +129,8 @@ class ServeConfig:
     metrics: bool = True
     """Every shard and decoder serves Prometheus metrics on its own HTTP port."""
     metrics_port: int = 0
-    """First metrics port: shard i on metrics_port + i, decoder i on metrics_port + shards
-    + i; 0 = free ports."""
+    """First metrics port: shard i on metrics_port + i, then the decoders, then the
+    routers (decoder i on metrics_port + shards + i); 0 = free ports."""
     metrics_token: str | None = field(default=None, repr=False)
     """Bearer token the metrics endpoints require; None = a fresh random one (written to
     the state file, which `vericache status` reads)."""
@@ -142,6 +149,10 @@ class ServeConfig:
             raise ValueError("shards: must be >= 1")
         if self.decoders < 0:
             raise ValueError("decoders: must be >= 0")
+        if self.routers is not None and not 0 <= self.routers <= 8:
+            raise ValueError("routers: must be in [0, 8]")
+        if self.routers and not self.decoders:
+            raise ValueError("routers: need decoders to route to (--decoders >= 1)")
         if not 0 <= self.ngram <= MAX_NGRAM:
             raise ValueError(f"ngram: must be in [0, {MAX_NGRAM}]")
         if self.detach and self.address is None:
@@ -201,6 +212,32 @@ class ServeConfig:
             audit_rate=self.audit_rate,
         )
 
+    @property
+    def router_count(self) -> int:
+        return (1 if self.decoders else 0) if self.routers is None else self.routers
+
+    def router(
+        self,
+        index: int,
+        store_endpoints: list[str],
+        decoders: dict[str, str],
+        metrics_token: str = "",
+    ) -> RouterConfig:
+        """Router `index` in front of `decoders` (endpoint -> metrics URL)."""
+        offset = self.shards + self.decoders + index
+        return RouterConfig(
+            store_endpoints=tuple(store_endpoints),
+            decoders=tuple(decoders.items()),
+            host=self.host,
+            port=self.router_port + index if self.router_port else 0,
+            router_id=f"router-{index}",
+            metrics_token=metrics_token,
+            decoder_tls=self.store_client_tls(),
+            client=ClientConfig(tls=self.store_client_tls()),
+            tls=self.tls,
+            metrics=self.metrics_config(offset, metrics_token) if metrics_token else None,
+        )
+
     def store_client_tls(self) -> TLSClientConfig | None:
         """How the decoders connect to the shards: trusting `tls_ca`, presenting the servers'
         certificate (which mTLS shards then check against their client CA)."""
@@ -229,6 +266,9 @@ class Deployment:
         self.decoder_actors: dict[int, object] = {}
         self.decoders: dict[int, str] = {}
         """Decoder endpoints (host:port) clients use for Generate and Publish."""
+        self.router_actors: dict[int, object] = {}
+        self.routers: dict[int, str] = {}
+        """Router endpoints: the front door to the decoders."""
         self.signer = load_or_create_key(Path(config.state_dir) / "provenance.key")
         """The deployment's provenance key (docs/DESIGN.md section 8): decoders sign the KV
         they publish with it, shards check signatures with its public half."""
@@ -259,6 +299,8 @@ class Deployment:
             self.start_shard(index)
         for index in range(self.config.decoders):
             self.start_decoder(index)
+        for index in range(self.config.router_count):
+            self.start_router(index)
         self._write_state()
         return self
 
@@ -341,7 +383,40 @@ class Deployment:
         address = ray.get(actor.start.remote(), timeout=300)
         self.decoder_actors[index], self.decoders[index] = actor, address
         self._metrics_of(f"decoder-{index}", actor)
+        self._tell_routers()
         return address
+
+    def start_router(self, index: int) -> str:
+        """(Re)start router `index` on this node, in front of the decoders now up."""
+        stores = [self.endpoints[i] for i in sorted(self.endpoints)]
+        here = ray.get_runtime_context().get_node_id()
+        config = self.config.router(index, stores, self._decoder_set(), self.metrics_token)
+        actor = router_actor(config, self._placement(f"router-{index}", here))
+        address = ray.get(actor.start.remote(), timeout=120)
+        self.router_actors[index], self.routers[index] = actor, address
+        self._metrics_of(f"router-{index}", actor)
+        return address
+
+    def kill_decoder(self, index: int) -> None:
+        """Kill a decoder's process abruptly (a crash); routers learn of it by themselves."""
+        ray.kill(self.decoder_actors.pop(index))
+        self.decoders.pop(index, None)
+        self.metrics.pop(f"decoder-{index}", None)
+
+    def _decoder_set(self) -> dict[str, str]:
+        return {
+            address: self.metrics.get(f"decoder-{index}", "")
+            for index, address in sorted(self.decoders.items())
+        }
+
+    def _tell_routers(self) -> None:
+        """Give every router the decoder set as it is now."""
+        decoders = self._decoder_set()
+        ray.get([a.set_decoders.remote(decoders) for a in self.router_actors.values()], timeout=30)
+
+    def router_view(self) -> list[list[dict]]:
+        """Each router's view of the decoders (health, load, requests routed)."""
+        return ray.get([a.decoders.remote() for a in self.router_actors.values()], timeout=30)
 
     def kill_shard(self, index: int) -> None:
         """Kill a shard's process abruptly (no flush, no deregistration): a crash."""
@@ -366,6 +441,7 @@ class Deployment:
         state = {
             "endpoints": [self.endpoints[i] for i in sorted(self.endpoints)],
             "decoders": [self.decoders[i] for i in sorted(self.decoders)],
+            "routers": [self.routers[i] for i in sorted(self.routers)],
             "redis_url": self.redis_url,
             "ray_address": self.config.address or "embedded",
             "detached": self.config.detach,
@@ -380,6 +456,14 @@ class Deployment:
         self._written = True
 
     def stop(self) -> None:
+        for index, actor in list(self.router_actors.items()):
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as error:  # noqa: BLE001 - keep shutting the rest down
+                log.warning("router %d did not stop cleanly: %s", index, error)
+            ray.kill(actor)
+        self.router_actors.clear()
+        self.routers.clear()
         for index, actor in list(self.decoder_actors.items()):
             try:
                 ray.get(actor.stop.remote(), timeout=60)
@@ -442,7 +526,10 @@ def stop_detached(address: str) -> list[str]:
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == NAMESPACE]  # fmt: skip
-        order = sorted(names, key=lambda n: (not n.startswith("decoder"), n == "redis", n))
+        first = ("router", "decoder")  # the front first, Redis last
+        order = sorted(
+            names, key=lambda n: (*(not n.startswith(f) for f in first), n == "redis", n)
+        )
         for name in order:
             actor = ray.get_actor(name, namespace=NAMESPACE)
             try:

@@ -99,6 +99,18 @@ def add_commands(sub) -> None:
         help="first decoder port, decoder i on DECODER_PORT+i (default: free ports)",
     )
     serve.add_argument(
+        "--routers",
+        type=int,
+        help="routers in front of the decoders: the one endpoint applications need, with "
+        "prefix affinity and mid-stream failover (default 1 when there are decoders; 0: none)",
+    )
+    serve.add_argument(
+        "--router-port",
+        type=int,
+        default=0,
+        help="first router port, router i on ROUTER_PORT+i (default: free ports)",
+    )
+    serve.add_argument(
         "--kv-budget",
         type=parse_bytes,
         help="KV bytes per decoder: compressed prefixes, tails, staging (default unlimited)",
@@ -305,6 +317,8 @@ def serve_config(ns):
             replication=ns.replication,
             decoders=ns.decoders,
             decoder_port=ns.decoder_port,
+            routers=ns.routers,
+            router_port=ns.router_port,
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
             ngram=ns.ngram,
@@ -340,14 +354,16 @@ def serve_detached(config) -> int:
 def print_endpoints(deployment) -> None:
     config = deployment.config
     print(
-        f"vericache: {config.shards} shard(s) and {config.decoders} decoder(s) up, "
-        f"TLS: {config.tls_mode}",
+        f"vericache: {config.shards} shard(s), {config.decoders} decoder(s) and "
+        f"{len(deployment.routers)} router(s) up, TLS: {config.tls_mode}",
         flush=True,
     )
     for endpoint in deployment.endpoints.values():
         print(f"  store    {endpoint}")
     for endpoint in deployment.decoders.values():
-        print(f"  decoder  {endpoint}   (vericache generate --endpoint {endpoint} ...)")
+        print(f"  decoder  {endpoint}")
+    for endpoint in deployment.routers.values():
+        print(f"  router   {endpoint}   (vericache generate --endpoint {endpoint} ...)")
     for name, url in sorted(deployment.metrics.items()):
         print(f"  metrics  {url}   ({name}; bearer token in the state file)")
     from cluster.serve import state_file

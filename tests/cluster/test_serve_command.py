@@ -51,7 +51,7 @@ def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, m
         decoder = next(x.split()[1] for x in lines if x.strip().startswith("decoder"))
         assert (tmp_path / "cluster.json").exists()
         metrics = [x.split()[1] for x in lines if x.strip().startswith("metrics")]
-        assert len(metrics) == 2  # the shard's and the decoder's
+        assert len(metrics) == 3  # the shard's, the decoder's and the router's
         with pytest.raises(urllib.error.HTTPError) as refused:  # no token
             urllib.request.urlopen(metrics[0], timeout=5)
         assert refused.value.code == 401
@@ -63,6 +63,9 @@ def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, m
         with DecoderClient(decoder, token) as client:
             info = client.info()
             assert info.worker_id == "decoder-0" and info.in_flight == 0
+        router = next(x.split()[1] for x in lines if x.strip().startswith("router"))
+        with DecoderClient(router, token) as client:
+            assert client.info().worker_id == "router-0"
         capsys.readouterr()
         assert main(["status"]) == 0
         live = capsys.readouterr().out.split("live (from the metrics endpoints):")[1]
