@@ -106,6 +106,8 @@ class ServeConfig:
     when there are decoders."""
     router_port: int = 0
     """First router gRPC port (router i on router_port + i); 0 = free ports."""
+    router_policy: str = "affinity"
+    """How routers choose decoders (`RouterConfig.policy`)."""
     kv_budget: int | None = None
     """KV bytes per decoder worker (None = unlimited)."""
     compressor: str = DEFAULT_COMPRESSOR
@@ -231,6 +233,7 @@ class ServeConfig:
             host=self.host,
             port=self.router_port + index if self.router_port else 0,
             router_id=f"router-{index}",
+            policy=self.router_policy,
             metrics_token=metrics_token,
             decoder_tls=self.store_client_tls(),
             client=ClientConfig(tls=self.store_client_tls()),

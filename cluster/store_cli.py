@@ -111,6 +111,13 @@ def add_commands(sub) -> None:
         help="first router port, router i on ROUTER_PORT+i (default: free ports)",
     )
     serve.add_argument(
+        "--router-policy",
+        choices=("affinity", "round-robin"),
+        default="affinity",
+        help="how routers choose a decoder: affinity (prefix affinity with bounded loads; "
+        "default) or round-robin (for comparison)",
+    )
+    serve.add_argument(
         "--kv-budget",
         type=parse_bytes,
         help="KV bytes per decoder: compressed prefixes, tails, staging (default unlimited)",
@@ -319,6 +326,7 @@ def serve_config(ns):
             decoder_port=ns.decoder_port,
             routers=ns.routers,
             router_port=ns.router_port,
+            router_policy=ns.router_policy,
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
             ngram=ns.ngram,

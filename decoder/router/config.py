@@ -9,6 +9,8 @@ from prefix_store.limits import CallBounds
 from prefix_store.metrics import MetricsConfig
 from prefix_store.tls import TLSClientConfig, TLSConfig
 
+POLICIES = ("affinity", "round-robin")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -28,6 +30,10 @@ class RouterConfig:
     model: str | None = None
     """The decoders' model folder (None: the built-in model): only its tokenizer is loaded,
     to route text prompts."""
+    policy: str = "affinity"
+    """How a request's decoder is chosen: "affinity" (prefix affinity with bounded loads)
+    or "round-robin" (each request to the next live decoder: the baseline it is measured
+    against)."""
     affinity_chunks: int = 2
     """Full 256-token chunks of a prompt that make its routing identity."""
     load_factor: float = 1.25
@@ -60,6 +66,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.store_endpoints:
             raise ValueError("store_endpoints: at least one host:port is required")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.affinity_chunks < 1:
             raise ValueError("affinity_chunks must be >= 1")
         if self.load_factor < 1:

@@ -16,6 +16,7 @@ so decoders see, authorize and account for the caller exactly as if it had calle
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import secrets
 from concurrent import futures
@@ -109,6 +110,7 @@ class RouterServicer:
             config.store_endpoints, config.client, config.store_clients, config.auth_recheck_s
         )
         self.limits = CallLimits(config.calls)
+        self._turn = itertools.count()
         self.registry = CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "router")
         self.failovers = Counter(
@@ -127,10 +129,9 @@ class RouterServicer:
         if request.sampling.temperature > 0 and not request.sampling.HasField("seed"):
             request.sampling.seed = secrets.randbits(64)  # every attempt samples alike
             raw = request.SerializeToString()
-        identity = self._identity(client, request)
         relay = Relay(
             self.members,
-            lambda: choose(identity, self.members.loads(), self.config.load_factor),
+            self._order(self._identity(client, request)),
             raw,
             _forwarded(context),
             self.config.max_attempts,
@@ -160,6 +161,19 @@ class RouterServicer:
                 setattr(total, name, getattr(total, name) + getattr(info, name))
         return total
 
+    def _order(self, identity: int):
+        """The request's decoders, best first, as `policy` ranks them (asked again before
+        each attempt: the live set and loads change)."""
+        if self.config.policy == "round-robin":
+            turn = next(self._turn)
+
+            def rotated() -> list[str]:
+                live = sorted(self.members.loads())
+                return live[turn % len(live) :] + live[: turn % len(live)] if live else []
+
+            return rotated
+        return lambda: choose(identity, self.members.loads(), self.config.load_factor)
+
     def _identity(self, client, request) -> int:
         """The request's prefix identity, in the namespace it names (an unknown namespace
         gets a salt no namespace has: its decoder reports it as NOT_FOUND)."""
@@ -177,8 +191,7 @@ class RouterServicer:
 
     def _unary(self, method: str, identity: int, raw: bytes, context, response):
         """A unary call on the request's decoder, or the next one when it is unreachable."""
-        order = choose(identity, self.members.loads(), self.config.load_factor)
-        for endpoint in order[: self.config.max_attempts]:
+        for endpoint in self._order(identity)()[: self.config.max_attempts]:
             try:
                 return self._call(endpoint, method, raw, context, response)
             except grpc.RpcError as error:
