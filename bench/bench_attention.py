@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decoder.kernels import AttentionPlan, exact_attention, exact_kernel_id  # noqa: E402
+from decoder.progress import note, progress  # noqa: E402
 
 HEADS, KV_HEADS, DIM, CHUNK = 9, 3, 64, 256
 
@@ -158,15 +159,13 @@ def main() -> None:
     if not kernel.startswith("fused"):
         sys.exit("the fused kernel is unavailable here: nothing to compare")
     rows = []
-    for context in args.contexts:
-        for tokens in args.tokens:
-            row = bench_shape(context, tokens, args.repeats)
-            rows.append(row)
-            print(
-                f"ctx {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
-                f"fused {row['fused_ms']} ms ({row['speedup']}x)",
-                flush=True,
-            )
+    for context, tokens in progress(_shapes(args), desc="attention calls", unit="shape"):
+        row = bench_shape(context, tokens, args.repeats)
+        rows.append(row)
+        note(
+            f"ctx {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
+            f"fused {row['fused_ms']} ms ({row['speedup']}x)"
+        )
     print("\n| context | query tokens | torch ms | fused ms | speedup |\n|---|---|---|---|---|")
     for r in rows:
         print(
@@ -189,6 +188,11 @@ def main() -> None:
     print(f"\nwrote {args.out}")
 
 
+def _shapes(args) -> list[tuple[int, int]]:
+    """(context, query tokens) of every call shape, in the tables' order."""
+    return [(context, tokens) for context in args.contexts for tokens in args.tokens]
+
+
 def _runner():
     from decoder.loader import load_model
     from decoder.runner import ModelRunner
@@ -202,16 +206,15 @@ def _runner():
 def _shared(args) -> list[dict]:
     runner = _runner()
     rows = []
-    for context in args.contexts:
-        for tokens in (4, 1):
-            row = bench_shared(runner, context, args.requests, tokens, max(3, args.repeats // 3))
-            rows.append(row)
-            print(
-                f"{args.requests} requests x {tokens} tokens over one {context}-token prefix: "
-                f"per request {row['per_request_ms']} ms, stacked {row['stacked_ms']} ms "
-                f"({row['speedup']}x)",
-                flush=True,
-            )
+    shapes = [(context, tokens) for context in args.contexts for tokens in (4, 1)]
+    for context, tokens in progress(shapes, desc="shared-prefix passes", unit="shape"):
+        row = bench_shared(runner, context, args.requests, tokens, max(3, args.repeats // 3))
+        rows.append(row)
+        note(
+            f"{args.requests} requests x {tokens} tokens over one {context}-token prefix: "
+            f"per request {row['per_request_ms']} ms, stacked {row['stacked_ms']} ms "
+            f"({row['speedup']}x)"
+        )
     print(
         "\n| prefix | requests x tokens | per request ms | stacked ms | speedup |"
         "\n|---|---|---|---|---|"
@@ -227,15 +230,13 @@ def _shared(args) -> list[dict]:
 def _passes(args) -> list[dict]:
     runner = _runner()
     rows = []
-    for context in args.contexts:
-        for tokens in args.tokens:
-            row = bench_pass(runner, context, tokens, max(3, args.repeats // 3))
-            rows.append(row)
-            print(
-                f"pass over {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
-                f"fused {row['fused_ms']} ms ({row['speedup']}x)",
-                flush=True,
-            )
+    for context, tokens in progress(_shapes(args), desc="exact passes", unit="shape"):
+        row = bench_pass(runner, context, tokens, max(3, args.repeats // 3))
+        rows.append(row)
+        note(
+            f"pass over {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
+            f"fused {row['fused_ms']} ms ({row['speedup']}x)"
+        )
     print(
         "\n| context | tokens | exact pass, torch ms | fused ms | speedup |\n|---|---|---|---|---|"
     )

@@ -29,6 +29,10 @@ shards' compute within it; for pulls, the time pulling, the time passes stalled 
 fetch of the whole prefix KV measures each shaped link first. Times are medians over
 `--repeats` runs.
 
+Besides the JSON it draws, beside it (bench/plots.py): `cluster-links.png` (tok/s vs the
+baseline against link speed, per mode), `cluster-bytes.png` (bytes on the wire per token)
+and `cluster-accepted.png` (accepted drafts per verification).
+
 Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 2]
        [--links 1.2GB/s 1Gbit/s] [--out bench/results/cluster.json]
 """
@@ -57,8 +61,10 @@ from bench_remote import (  # noqa: E402
     write_results,
 )
 
+from bench import plots  # noqa: E402
 from cluster.testbed import LocalCluster, Testbed, TestbedConfig  # noqa: E402
 from decoder.loader import default_cache_dir, load_model  # noqa: E402
+from decoder.progress import note, progress  # noqa: E402
 from decoder.store_source import kv_layout  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 
@@ -111,13 +117,14 @@ def main() -> int:
             token = cluster.exec("vericache tenant add bench").split()[-1]
             key = deployment_key(cluster)
             workloads = publish(stores, token, model, args, key)
+            bar = progress(desc="bench_cluster", total=runs(args), unit="run")
             for link in args.links:
                 bed.shape(LINKS[link])  # the decoder's link to the store
                 probes.append(probe(stores, token, model, workloads["probe"], link))
-                slow = LINKS[link] is not None and LINKS[link] < 125e6
                 for name in args.workloads:
                     reference = None
-                    for mode in args.slow_modes if slow else args.modes:
+                    for mode in modes_on(link, args):
+                        bar.set_postfix_str(f"{link} {name} {mode}")
                         prompts = workloads[name]
                         row = _measure(stores, token, model, prompts, mode, None, args, key)
                         row.update(link=link, link_bytes_per_s=LINKS[link], workload=name)
@@ -125,13 +132,34 @@ def main() -> int:
                         _finish_row(row, reference)
                         add_pull_columns(row)
                         rows.append(row)
-                        print(fmt_row(row), flush=True)
+                        note(fmt_row(row))
+                        bar.update(1)
+            bar.close()
         finally:
             bed.shape(None)
             cluster.down()
     print_tables(probes, rows)
     write_results(args, model, links=probes, rows=rows)
+    plots.write_figures(
+        args.out,
+        [
+            ("links", plots.link_sweep, rows),
+            ("bytes", plots.bytes_per_token, rows),
+            ("accepted", plots.accepted_histogram, rows),
+        ],
+    )
     return 0
+
+
+def modes_on(link: str, args) -> list[str]:
+    """The modes run over a link: `--slow-modes` below 1 Gbit/s, else `--modes`."""
+    slow = LINKS[link] is not None and LINKS[link] < 125e6
+    return args.slow_modes if slow else args.modes
+
+
+def runs(args) -> int:
+    """Measurements in the whole sweep (what the progress bar counts)."""
+    return sum(len(modes_on(link, args)) for link in args.links) * len(args.workloads)
 
 
 def deployment_key(cluster) -> bytes:
@@ -180,8 +208,8 @@ def probe(stores, token, model, prefix, link: str) -> dict:
             times.append(time.perf_counter() - t)
     seconds = sorted(times)[1]
     found = {"link": link, "bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
-    print(f"{link}: whole-prefix fetch {nbytes / 1e6:.0f} MB in {seconds:.2f}s = "
-          f"{found['gb_per_s']:.2f} GB/s", flush=True)  # fmt: skip
+    note(f"{link}: whole-prefix fetch {nbytes / 1e6:.0f} MB in {seconds:.2f}s = "
+         f"{found['gb_per_s']:.2f} GB/s")  # fmt: skip
     return found
 
 

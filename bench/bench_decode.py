@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decoder.config import DraftWeights, RunnerConfig  # noqa: E402
 from decoder.kv_cache import KVCache  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
+from decoder.progress import note, progress  # noqa: E402
 from decoder.runner import ModelRunner, SeqInput  # noqa: E402
 
 
@@ -127,13 +128,15 @@ def main() -> None:
         r.forward([SeqInput.extend(r.new_cache(), [1])], "fast")
     hf = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32).eval()
     rows = []
+    bar = progress(desc="bench_decode", total=len(args.contexts) * len(args.batches), unit="case")
     for context in args.contexts:
         prompt = long_code_tokens(model, context)
         prefix = runner.new_cache(capacity=context)
         t0 = time.perf_counter()
         runner.forward([SeqInput.extend(prefix, prompt, "none")])
-        print(f"context {context}: exact prefill {time.perf_counter() - t0:.1f}s", flush=True)
+        note(f"context {context}: exact prefill {time.perf_counter() - t0:.1f}s")
         for batch in args.batches:
+            bar.set_postfix_str(f"ctx {context} batch {batch}")
             step = {
                 "exact": time_ours(runner, prefix, batch, args.steps, args.repeats, "exact"),
                 "fast": time_ours(runner, prefix, batch, args.steps, args.repeats, "fast"),
@@ -152,8 +155,10 @@ def main() -> None:
                 kind: round(v * 1e3 / batch, 2) for kind, v in drafts.items()
             }
             rows.append(row)
-            print(_format_row(row), flush=True)
+            note(_format_row(row))
+            bar.update(1)
         del prefix
+    bar.close()
 
     print("\n" + _table(rows))
     if args.draft_weights:

@@ -11,7 +11,8 @@ batch 8 eight different ones. Every mode runs on the same runner and the same re
   no compression: what n-gram speculation alone buys);
 - lossy, per compressor: decoding with the compressed prefix alone;
 - vericache, per compressor: draft with the compressed prefix, verify with the full one
-  (automatic horizon; SnapKV 12.5% also at a fixed horizon of 32);
+  (automatic horizon; SnapKV 12.5%, else the first compressor, also at each fixed
+  `--horizons`);
 - vericache+ngram, per compressor: the drafter also checks prompt-lookup guesses, several
   drafts per draft forward (`--ngram` guesses at most).
 
@@ -21,9 +22,12 @@ is the same for every mode and reported separately). The draft-step speedup is t
 mode's step time over the lossy mode's step time (same compressor, same batch), and the
 bound is that speedup times the fraction of drafted tokens accepted (DESIGN.md section 10).
 
+Besides the JSON it draws `local-horizon.png` (tok/s vs horizon) and `local-accepted.png`
+(accepted drafts per verification) beside it (bench/plots.py).
+
 Usage: python bench/bench_local.py [--contexts 2048 8192] [--batches 1 8]
        [--max-new-tokens 128] [--repeats 3] [--compressors SPEC ...] [--ngram 8]
-       [--out bench/results/local.json]
+       [--horizons 8 16 32] [--out bench/results/local.json]
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import plots  # noqa: E402
 from decoder.engine import Engine, EngineConfig, Request, prefill_prefix  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
+from decoder.progress import note, progress  # noqa: E402
 from decoder.runner import ModelRunner  # noqa: E402
 
 COMPRESSORS = [
@@ -55,6 +61,8 @@ COMPRESSORS = [
     "kivi:bits=8",
     "snapkv:budget=0.25+kivi:bits=4",
 ]
+HORIZON_SPEC = "snapkv:budget=0.125"
+"""The compressor also run at each fixed `--horizons` (else the first one given)."""
 SUFFIX = 64
 
 
@@ -97,6 +105,9 @@ def run_mode(
             stats["drafts_per_draft_step"] = round(
                 stats["drafted"] / max(1, stats["draft_steps"]), 3
             )
+            stats["accepted_histogram"] = plots.merged_histogram(
+                r.stats.get("accepted_histogram", {}) for r in results
+            )
         if config.ngram:
             for key in ("ngram_proposed", "ngram_accepted"):
                 stats[key] = sum(r.stats[key] for r in results)
@@ -116,60 +127,47 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s) -> list[dict]:
+def bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s, bar) -> list[dict]:
+    """Every mode of one (context, batch) case; `bar` advances by one per mode run."""
     _, suffixes = workload(tokens, context, batch)
-    print(f"\n== context {context}, batch {batch} (prefix prefill {prefill_s:.1f}s)", flush=True)
-    full = run_mode(
-        runner,
-        model,
-        prefix,
-        suffixes,
-        EngineConfig(mode="full"),
-        args.max_new_tokens,
-        args.repeats,
-    )
-    rows = [_row(context, batch, "full", "-", full, full, None, prefill_s)]
-    _print(rows[-1])
+    note(f"\n== context {context}, batch {batch} (prefix prefill {prefill_s:.1f}s)")
+    rows = []
+
+    def measure(config: EngineConfig) -> dict:
+        spec = "" if config.mode == "full" else config.compressor
+        bar.set_postfix_str(f"ctx {context} batch {batch} {config.mode} {spec}")
+        return run_mode(runner, model, prefix, suffixes, config, args.max_new_tokens, args.repeats)
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        _print(row)
+        bar.update(1)
+
+    full = measure(EngineConfig(mode="full"))
+    add(_row(context, batch, "full", "-", full, full, None, prefill_s))
     if args.ngram:
-        config = EngineConfig(mode="full", ngram=args.ngram)
-        res = run_mode(runner, model, prefix, suffixes, config, args.max_new_tokens, args.repeats)
-        rows.append(_row(context, batch, "full+ngram", "-", res, full, None, prefill_s))
-        _print(rows[-1])
+        res = measure(EngineConfig(mode="full", ngram=args.ngram))
+        add(_row(context, batch, "full+ngram", "-", res, full, None, prefill_s))
     for spec in args.compressors:
-        lossy = run_mode(
-            runner,
-            model,
-            prefix,
-            suffixes,
-            EngineConfig(mode="lossy", compressor=spec),
-            args.max_new_tokens,
-            args.repeats,
-        )
-        rows.append(_row(context, batch, "lossy", spec, lossy, full, None, prefill_s))
-        _print(rows[-1])
-        horizons = [None] + ([32] if spec == "snapkv:budget=0.125" else [])
-        for horizon in horizons:
-            vc = run_mode(
-                runner,
-                model,
-                prefix,
-                suffixes,
-                EngineConfig(mode="vericache", compressor=spec, horizon=horizon),
-                args.max_new_tokens,
-                args.repeats,
-            )
-            rows.append(
-                _row(context, batch, "vericache", spec, vc, full, lossy, prefill_s, horizon)
-            )
-            _print(rows[-1])
+        lossy = measure(EngineConfig(mode="lossy", compressor=spec))
+        add(_row(context, batch, "lossy", spec, lossy, full, None, prefill_s))
+        for horizon in [None] + (args.horizons if spec == _horizon_spec(args) else []):
+            vc = measure(EngineConfig(mode="vericache", compressor=spec, horizon=horizon))
+            add(_row(context, batch, "vericache", spec, vc, full, lossy, prefill_s, horizon))
         if args.ngram:
-            config = EngineConfig(mode="vericache", compressor=spec, ngram=args.ngram)
-            vc = run_mode(
-                runner, model, prefix, suffixes, config, args.max_new_tokens, args.repeats
-            )
-            rows.append(_row(context, batch, "vericache+ngram", spec, vc, full, lossy, prefill_s))
-            _print(rows[-1])
+            vc = measure(EngineConfig(mode="vericache", compressor=spec, ngram=args.ngram))
+            add(_row(context, batch, "vericache+ngram", spec, vc, full, lossy, prefill_s))
     return rows
+
+
+def _horizon_spec(args) -> str:
+    return HORIZON_SPEC if HORIZON_SPEC in args.compressors else args.compressors[0]
+
+
+def runs_per_case(args) -> int:
+    """Mode runs in one (context, batch) case (what the progress bar counts)."""
+    per_spec = 2 + (1 if args.ngram else 0)  # lossy, vericache auto (+ngram)
+    return 1 + (1 if args.ngram else 0) + per_spec * len(args.compressors) + len(args.horizons)
 
 
 def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) -> dict:
@@ -221,6 +219,7 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
             drafted=stats["drafted"],
             accepted=stats["accepted"],
             draft_step_speedup=round(full["step_s"] / lossy["step_s"], 3),
+            accepted_histogram=stats["accepted_histogram"],
         )
         accept_fraction = stats["accepted"] / max(1, stats["drafted"])
         # a draft forward gives `drafts_per_draft_step` drafts (more than one with n-gram)
@@ -251,7 +250,7 @@ COLUMNS = [
 
 
 def _print(row: dict) -> None:
-    print("  " + "  ".join(f"{title}={row.get(key, '-')}" for key, title in COLUMNS), flush=True)
+    note("  " + "  ".join(f"{title}={row.get(key, '-')}" for key, title in COLUMNS))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -277,6 +276,13 @@ def main() -> None:
     parser.add_argument(
         "--ngram", type=int, default=8, help="prompt-lookup guesses per forward (0: no rows)"
     )
+    parser.add_argument(
+        "--horizons",
+        type=int,
+        nargs="*",
+        default=[8, 16, 32],
+        help=f"fixed horizons also run with {HORIZON_SPEC} (else the first compressor)",
+    )
     parser.add_argument("--threads", type=int)
     parser.add_argument("--out", type=Path, default=Path("bench/results/local.json"))
     args = parser.parse_args()
@@ -287,16 +293,42 @@ def main() -> None:
     runner.ensure_exact_supported()
     tokens = source_tokens(model)
     rows = []
+    cases = len(args.contexts) * len(args.batches)
+    bar = progress(desc="bench_local", total=cases * runs_per_case(args), unit="run")
     for context in args.contexts:
         t0 = time.perf_counter()
+        bar.set_postfix_str(f"ctx {context} prefix prefill")
         prefix = prefill_prefix(runner, workload(tokens, context, 1)[0], observe=128)
         prefill_s = time.perf_counter() - t0
         for batch in args.batches:
-            rows.extend(bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s))
+            case = bench_case(runner, model, tokens, context, batch, args, prefix, prefill_s, bar)
+            rows.extend(case)
             _write(args, rows)
         del prefix
+    bar.close()
     print("\n" + markdown(rows))
     print(f"\nwrote {args.out}")
+    write_plots(args.out, rows)
+
+
+def write_plots(out: Path, rows: list[dict]) -> list[Path]:
+    """local-horizon.png and local-accepted.png beside the JSON."""
+    return plots.write_figures(
+        out,
+        [
+            ("horizon", plots.tokens_per_s_vs_horizon, rows),
+            ("accepted", plots.accepted_histogram, _histogram_rows(rows)),
+        ],
+    )
+
+
+def _histogram_rows(rows: list[dict]) -> list[dict]:
+    """The rows whose acceptance the histogram shows: the horizon sweep's compressor at the
+    automatic horizon (with and without n-gram), every case; else every row."""
+    specs = [r["compressor"] for r in rows if r["compressor"] != "-"]
+    spec = HORIZON_SPEC if HORIZON_SPEC in specs else next(iter(specs), None)
+    picked = [r for r in rows if r["compressor"] == spec and r["horizon"] == "auto"]
+    return picked or rows
 
 
 def _write(args, rows) -> None:
@@ -310,6 +342,7 @@ def _write(args, rows) -> None:
         "repeats": args.repeats,
         "suffix_tokens": SUFFIX,
         "ngram": args.ngram,
+        "horizons": args.horizons,
     }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

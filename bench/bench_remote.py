@@ -34,6 +34,10 @@ bytes (budget accounting); the DESIGN.md section 10 bound (full-KV step time ove
 step time, measured in the same run, times the fraction of drafted tokens accepted); and
 identical-to-full per request. Times are medians over `--repeats` runs.
 
+Besides the JSON it draws, beside it (bench/plots.py): `remote-budget.png` (tok/s vs KV
+budget per mode), `remote-bytes.png` (bytes on the wire per token per mode) and
+`remote-accepted.png` (accepted drafts per verification).
+
 Usage: python bench/bench_remote.py [--workloads shared distinct] [--repeats 1]
        [--out bench/results/remote.json]
 """
@@ -54,8 +58,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import plots  # noqa: E402
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
+from decoder.progress import note, progress  # noqa: E402
 from decoder.service import DecoderClient, DecoderConfig, DecoderServer  # noqa: E402
 from prefix_store.config import GiB  # noqa: E402
 from prefix_store.metadata import Metadata  # noqa: E402
@@ -150,24 +156,42 @@ def main() -> int:
                 workloads["distinct"] = [p + suffix(model, i) for i, p in enumerate(prefixes)]
         finally:
             publisher.stop()
-        for name, prompts in workloads.items():
-            budgets = [(None, "unlimited")]
-            if name == "distinct":
-                per_request = _full_request_bytes(model, len(prompts[0]), args)
-                budgets = [(h * per_request, f"full holds {h}") for h in args.holds]
-            for budget, label in budgets:
-                reference = None
-                for mode in args.modes:
-                    row = _measure(stores, token, model, prompts, mode, budget, args, key)
-                    row.update(workload=name, budget=budget, budget_label=label)
-                    if mode == "full":
-                        reference = row
-                    _finish_row(row, reference)
-                    rows.append(row)
-                    _print_row(row)
+        sweep = {name: _budgets(name, prompts, model, args) for name, prompts in workloads.items()}
+        runs = sum(len(budgets) for budgets in sweep.values()) * len(args.modes)
+        with progress(desc="bench_remote", total=runs, unit="run") as bar:
+            for name, prompts in workloads.items():
+                for budget, label in sweep[name]:
+                    reference = None
+                    for mode in args.modes:
+                        bar.set_postfix_str(f"{name} {label} {mode}")
+                        row = _measure(stores, token, model, prompts, mode, budget, args, key)
+                        row.update(workload=name, budget=budget, budget_label=label)
+                        if mode == "full":
+                            reference = row
+                        _finish_row(row, reference)
+                        rows.append(row)
+                        _print_row(row)
+                        bar.update(1)
     _print_table(rows)
     write_results(args, model, rows=rows)
+    plots.write_figures(
+        args.out,
+        [
+            ("budget", plots.budget_sweep, rows),
+            ("bytes", plots.bytes_per_token, rows),
+            ("accepted", plots.accepted_histogram, rows),
+        ],
+    )
     return 0
+
+
+def _budgets(name: str, prompts, model, args) -> list[tuple[int | None, str]]:
+    """(KV budget, label) to run a workload under: the distinct one under the budgets at
+    which the full-KV baseline holds each of `--holds` requests, the shared one unlimited."""
+    if name != "distinct":
+        return [(None, "unlimited")]
+    per_request = _full_request_bytes(model, len(prompts[0]), args)
+    return [(h * per_request, f"full holds {h}") for h in args.holds]
 
 
 def write_results(args, model, **results) -> None:
@@ -208,14 +232,17 @@ def _worker(config, model):
 
 
 def _publish(server: DecoderServer, token: str, prefixes, compressor: str) -> None:
-    with DecoderClient(server.address, token) as client:
+    with (
+        DecoderClient(server.address, token) as client,
+        progress(desc="publish", total=sum(map(len, prefixes)), unit="tok") as bar,
+    ):
         for i, ids in enumerate(prefixes):
             t0 = time.perf_counter()
             reply = client.publish(token_ids=ids, compressors=[compressor])
-            print(
+            bar.update(len(ids))
+            note(
                 f"published prefix {i + 1}/{len(prefixes)}: {reply.tokens} tokens "
-                f"({time.perf_counter() - t0:.0f}s)",
-                flush=True,
+                f"({time.perf_counter() - t0:.0f}s)"
             )
 
 
@@ -241,8 +268,10 @@ def _measure(stores, token, model, prompts, mode, budget, args, key=None) -> dic
     tokens = runs[0]["tokens"]
     if any(r["tokens"] != tokens for r in runs):
         raise SystemExit(f"{mode}: outputs differ across repeats")
-    row = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "tokens"}
+    counts = ("tokens", "accepted_histogram")
+    row = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key not in counts}
     row["tokens"] = tokens
+    row["accepted_histogram"] = plots.merged_histogram(r["accepted_histogram"] for r in runs)
     row["mode"] = mode
     return row
 
@@ -287,6 +316,9 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
     verifications = sum(r.stats.get("verifications", 0) for r in replies)
     return {
         "tokens": [r.tokens for r in replies],
+        "accepted_histogram": plots.merged_histogram(
+            r.stats.get("accepted_histogram", {}) for r in replies
+        ),
         "wall_s": wall,
         "tokens_per_s": generated / wall,
         "p50_s": statistics.median(latencies),
@@ -367,7 +399,7 @@ def _fmt_row(row: dict) -> str:
 
 
 def _print_row(row: dict) -> None:
-    print(_fmt_row(row), flush=True)
+    note(_fmt_row(row))
 
 
 def _print_table(rows: list[dict]) -> None:

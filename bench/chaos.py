@@ -60,6 +60,7 @@ from bench.load import (  # noqa: E402
     check_generations,
 )
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
+from decoder.progress import progress  # noqa: E402
 from decoder.service.client import DecoderClient  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 from prefix_store.config import ClientConfig, MiB  # noqa: E402
@@ -398,7 +399,8 @@ def run(config: LoadConfig, deployment: Deployment, model, runner, faults, hold_
     results = []
     try:
         time.sleep(min(10.0, hold_s))  # warm: every operation under way
-        for fault in faults:
+        for fault in (bar := progress(faults, desc="chaos", unit="fault")):
+            bar.set_postfix_str(fault.name)
             results.append(run_fault(chaos, fault, hold_s))
     finally:
         workload.stop()

@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
+from decoder.progress import progress  # noqa: E402
 from decoder.service.client import DecoderClient  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 from prefix_store.config import ClientConfig, MiB  # noqa: E402
@@ -358,8 +359,23 @@ def drive(workload: Workload, seconds: float) -> None:
     ]
     for t in threads:
         t.start()
+    watch(workload, deadline, seconds, threads)
     for t in threads:
         t.join(timeout=seconds + workload.config.timeout_s + 60)
+
+
+def watch(workload: Workload, deadline: float, seconds: float, threads) -> None:
+    """A progress bar over the run's seconds, with operations done so far, until `deadline`
+    (or until every client thread ended)."""
+    total = round(seconds)
+    with progress(desc="load", total=total, unit="s") as bar:
+        shown = 0
+        while (left := deadline - time.monotonic()) > 0 and any(t.is_alive() for t in threads):
+            time.sleep(min(1.0, left))
+            elapsed = total - max(0, round(deadline - time.monotonic()))
+            bar.update(elapsed - shown)
+            shown = elapsed
+            bar.set_postfix_str(f"{len(workload.recorder.outcomes)} operations")
 
 
 def check_generations(workload: Workload, runner, sample: int) -> dict:
@@ -374,7 +390,7 @@ def check_generations(workload: Workload, runner, sample: int) -> dict:
     wrong = 0
     eos = workload.model.eos_token_ids
     references: dict[tuple[int, ...], list[int]] = {}
-    for g in picked:
+    for g in progress(picked, desc="checking generations", unit="gen"):
         key = tuple(g.prompt)
         if key not in references:
             full = generate_full(

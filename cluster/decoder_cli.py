@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from cluster import tls_cli
@@ -74,9 +75,13 @@ def parse_publish(ns: argparse.Namespace) -> argparse.Namespace:
 def run_publish(ns: argparse.Namespace) -> int:
     from decoder.service.client import DecoderClient
 
+    what = ns.file.name if ns.file is not None else f"{len(ns.text)} characters"
     with DecoderClient(ns.endpoint, ns.token, tls=ns.tls) as client:
-        reply = client.publish(
-            text=ns.text, chat=ns.chat, namespace=ns.shared, compressors=ns.compressor
+        reply = _with_progress(
+            f"publishing {what}",
+            lambda: client.publish(
+                text=ns.text, chat=ns.chat, namespace=ns.shared, compressors=ns.compressor
+            ),
         )
     result = {
         "tokens": reply.tokens,
@@ -94,6 +99,41 @@ def run_publish(ns: argparse.Namespace) -> int:
             f"artifacts: {', '.join(reply.artifacts) or 'none'} (prefill {reply.prefill_s:.1f}s)"
         )
     return 0
+
+
+def _with_progress(desc: str, call):
+    """`call()` (one Publish RPC) under a progress bar on stderr that shows the time it has
+    taken, then the tokens prefilled and the bytes stored. Publish is a unary RPC, so the
+    client sees no finer progress than that. Without a bar (stderr not a terminal) the
+    call simply runs here."""
+    from decoder.progress import progress
+
+    bar = progress(desc=desc, total=1, unit="doc")
+    if bar.disable:
+        bar.close()
+        return call()
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["reply"] = call()
+        except BaseException as error:  # raised again in the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    with bar:
+        while worker.is_alive():
+            worker.join(0.5)
+            bar.refresh()  # the elapsed time
+        if "error" in outcome:
+            raise outcome["error"]
+        reply = outcome["reply"]
+        bar.set_postfix_str(
+            f"{reply.tokens} tokens prefilled, {reply.stored_bytes / 2**20:.1f} MiB stored"
+        )
+        bar.update(1)
+    return reply
 
 
 def run_remote_generate(args) -> int:

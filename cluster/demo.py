@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decoder.progress import note, progress
+
 MODES = ("full", "lossy", "vericache")
 QUESTIONS = [
     "Summarise what this module does.",
@@ -107,7 +109,7 @@ _PRINT = threading.Lock()
 
 def _progress(line: str) -> None:
     with _PRINT:  # request threads report concurrently
-        print(line, flush=True)
+        note(line)
 
 
 def _publish(endpoint, token, ids, namespace, compressor, say) -> None:
@@ -143,6 +145,7 @@ def _run_mode(endpoint, mode, work, config: DemoConfig, say) -> ModeRun:
     say(f"{mode}: {len(work)} concurrent requests ...")
     run = ModeRun(mode, 0.0, [None] * len(work), [0.0] * len(work))
     errors: list[BaseException] = []
+    bar = progress(desc=mode, total=len(work), unit="req")
 
     def one(i: int) -> None:
         token, namespace, prompt = work[i]
@@ -161,6 +164,7 @@ def _run_mode(endpoint, mode, work, config: DemoConfig, say) -> ModeRun:
             return
         run.latencies[i] = time.perf_counter() - t
         say(f"  request {i + 1}/{len(work)} done in {run.latencies[i]:.1f}s")
+        bar.update(1)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
@@ -169,6 +173,7 @@ def _run_mode(endpoint, mode, work, config: DemoConfig, say) -> ModeRun:
     for t in threads:
         t.join()
     run.wall_s = time.perf_counter() - t0
+    bar.close()
     if errors:
         raise errors[0]
     return run

@@ -24,6 +24,7 @@ import torch
 
 from decoder.config import ModelConfig
 from decoder.errors import ModelLoadError
+from decoder.progress import progress
 from decoder.weights import ModelWeights, weights_from_hf_state
 from prefix_store.attention.kernel import cache_dir as kernel_cache_dir
 
@@ -122,11 +123,15 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
+    bar = progress(desc=f"converting {gguf.name}", total=4, unit="step")
     try:
+        bar.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _step(bar, "dequantize")
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
+        _step(bar, "write fp32 weights")
         hf_config = model.config.to_dict()
         hf_config.pop("quantization_config", None)
         state = {
@@ -135,8 +140,10 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         if hf_config.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _step(bar, "config and tokenizer")
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         tokenizer.save_pretrained(tmp)
+        _step(bar, "")
         (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "format": "fp32"}))
         try:
             os.replace(tmp, folder)
@@ -144,7 +151,14 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             if not (folder / _MARKER).exists():  # not a concurrent winner: a real failure
                 raise
     finally:
+        bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _step(bar, upcoming: str) -> None:
+    """One of the conversion's four phases done; name the next one on its bar."""
+    bar.update(1)
+    bar.set_postfix_str(upcoming)
 
 
 def _load_hf_folder(folder: Path, *, name: str) -> LoadedModel:
@@ -212,9 +226,13 @@ def _file_digest(path: Path) -> str:
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return entry["sha256"]
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with (
+        path.open("rb") as f,
+        progress(desc=f"hashing {path.name}", total=st.st_size, unit="B", unit_scale=True) as bar,
+    ):
         while block := f.read(16 << 20):
             h.update(block)
+            bar.update(len(block))
     cache[path.name] = {"stamp": stamp, "sha256": h.hexdigest()}
     with contextlib.suppress(OSError):  # a read-only folder: hash again next time
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
