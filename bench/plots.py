@@ -153,11 +153,13 @@ def budget_sweep(rows: Rows, out: Path) -> Path | None:
             by_mode[row.get("mode", "?")].append((row["budget"], _rate(row)))
     if not by_mode:
         return _skip(out, "no rows under a KV budget")
+    largest = max(b for points in by_mode.values() for b, _ in points)
+    unit, scale = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, points in by_mode.items():
         xs, ys = zip(*sorted(points), strict=True)
-        ax.plot([x / 2**30 for x in xs], ys, "o-", label=mode, color=_color(mode))
-    ax.set_xlabel("decoder KV budget (GiB)")
+        ax.plot([x / scale for x in xs], ys, "o-", label=mode, color=_color(mode))
+    ax.set_xlabel(f"decoder KV budget ({unit})")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title("Tokens/s under a KV budget (distinct prefixes)")
     return _save(fig, out)
