@@ -8,12 +8,24 @@ one shared prefix buffer together and alone. Every token's logits and KV must ag
 bit; otherwise exact mode is refused.
 
 The check runs on the model's first two layers (same kernels and shapes, a fraction of the
-time) and is cached per process for each platform, shape and thread count.
+time). Its result is cached per process, and on disk (`<cache>/selfcheck/`, one small JSON
+file per key) so that a second process does not pay for it: the key covers the platform
+(machine, CPU model and capability), the torch version, the thread count, the model's
+shapes and runner settings, the first two layers' weights, the attention kernel's id and
+the source of the code the check runs (this module, the runner, its kernels and views).
+Any change to one of them runs the check again; deleting the folder does too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -21,7 +33,11 @@ from decoder.config import ModelConfig, RunnerConfig
 from decoder.kernels import exact_kernel_id
 from decoder.weights import ModelWeights
 
+log = logging.getLogger(__name__)
 _RESULTS: dict[tuple, str | None] = {}
+CHECKED_LAYERS = 2
+SOURCES = ("selfcheck.py", "runner.py", "kernels.py", "views.py", "kv_cache.py")
+"""The decoder modules whose code the check exercises: a change to one runs it again."""
 
 
 def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
@@ -35,8 +51,61 @@ def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfi
         exact_kernel_id(config.head_dim),
     )
     if key not in _RESULTS:
-        _RESULTS[key] = _run_check(config, weights, rc)
+        path = _cache_path(key, weights)
+        cached = _read(path)
+        if cached is not None:
+            _RESULTS[key] = cached["problem"]
+        else:
+            _RESULTS[key] = _run_check(config, weights, rc)
+            _write(path, {"problem": _RESULTS[key], "key": repr(key)})
     return _RESULTS[key]
+
+
+def _cache_path(key: tuple, weights: ModelWeights) -> Path:
+    from decoder.loader import default_cache_dir
+
+    digest = hashlib.sha256(repr(key).encode())
+    digest.update(f"{platform.machine()}|{_cpu_model()}".encode())
+    here = Path(__file__).parent
+    for name in SOURCES:
+        digest.update((here / name).read_bytes())
+    for layer in weights.layers[:CHECKED_LAYERS]:
+        for tensor in (layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm, layer.w_gate_up,
+                       layer.w_down):  # fmt: skip
+            digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return default_cache_dir() / "selfcheck" / f"{digest.hexdigest()[:32]}.json"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    problem = data.get("problem") if isinstance(data, dict) else 0
+    return data if problem is None or isinstance(problem, str) else None
+
+
+def _write(path: Path, data: dict) -> None:
+    """Atomically (a reader never sees half a file); a cache that cannot be written is
+    only a slower next start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".selfcheck-")
+        with os.fdopen(fd, "w") as file:
+            json.dump(data, file)
+        os.replace(tmp, path)
+    except OSError as error:
+        log.info("exact-mode self-check result not cached: %s", error)
 
 
 def _run_check(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
