@@ -15,6 +15,9 @@ Workloads (prefixes are real Python source, published once with their compressed
   prefix, under the KV budgets at which the full-KV baseline holds 2, 4 and all 8 requests
   at once; VeriCache runs under the same budgets.
 
+- routed: `bench/bench_routed.py` (2 decoders behind a router, 4 shared prefixes x 8
+  requests, prefix affinity vs round robin), written to `<out>-routed.json`.
+
 Modes: `full` (the strongest full-KV engine we have: one resident copy per prefix, shared
 by its requests), `full+ngram` (the same with prompt-lookup guesses verified in its exact
 passes: lossless, no compression), `lossy` (compressed decoding, not lossless),
@@ -97,7 +100,13 @@ def suffix(model, i: int) -> list[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", nargs="+", default=["shared", "distinct"])
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=("shared", "distinct", "routed"),
+        default=["shared", "distinct", "routed"],
+        help="routed: 2 decoders behind a router, affinity vs round robin (bench_routed.py)",
+    )
     # 8K: as long as the built-in model's 8192-token context leaves room for suffix and output
     ap.add_argument("--shared-tokens", type=int, default=8000)
     ap.add_argument("--shared-requests", type=int, default=16)
@@ -123,6 +132,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/remote.json"))
     args = ap.parse_args()
 
+    status = 0
+    if "routed" in args.workloads:
+        from bench import bench_routed
+
+        routed = args.out.with_name(f"{args.out.stem}-routed.json")
+        status = bench_routed.main(["--repeats", str(args.repeats), "--out", str(routed)])
+        if set(args.workloads) == {"routed"}:
+            return status
     model = load_model()
     limit = model.config.max_position_embeddings
     longest = max(args.shared_tokens, args.distinct_tokens) + 32 + args.max_new_tokens
@@ -182,7 +199,7 @@ def main() -> int:
             ("accepted", plots.accepted_histogram, rows),
         ],
     )
-    return 0
+    return status
 
 
 def _budgets(name: str, prompts, model, args) -> list[tuple[int | None, str]]:

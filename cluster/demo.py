@@ -1,6 +1,7 @@
 """`vericache demo`: the service on this machine, three tenants, one shared document.
 
-Starts the embedded deployment (local Ray, Redis, two shards, one decoder worker), creates
+Starts the embedded deployment (local Ray, Redis, two shards, two decoder workers behind
+one router, which every request goes through), creates
 three tenants and a shared namespace, publishes a long source file into it plus one
 tenant's private prefix, then runs one batch of concurrent requests in three modes:
 full-KV remote prefix caching, lossy compressed decoding, and VeriCache. It prints a table
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +75,8 @@ def run_demo(config: DemoConfig) -> int:
     os.environ["VERICACHE_HOME"] = str(home)  # never touch a running service's state file
     serve = ServeConfig(
         shards=2,
-        decoders=1,
+        decoders=2,
+        decoder_threads=max(1, (os.cpu_count() or 2) // 2),  # the two share this machine
         memory_bytes=2 * GiB,
         disk_bytes=0,
         state_dir=home / "state",
@@ -85,14 +88,14 @@ def run_demo(config: DemoConfig) -> int:
         f"compressor {config.compressor}"
     )
     t0 = time.perf_counter()
-    say("starting the local cluster (Ray, Redis, 2 store shards, 1 decoder worker) ...")
+    say("starting the local cluster (Ray, Redis, 2 store shards, 2 decoders, 1 router) ...")
     with Deployment(serve) as deployment:
-        say(f"  up in {time.perf_counter() - t0:.0f}s: decoder at {deployment.decoders[0]}")
+        say(f"  up in {time.perf_counter() - t0:.0f}s: router at {deployment.routers[0]}")
         md = Metadata(deployment.redis_url)
         tokens = {name: md.add_tenant(name, 0) for name in ("alice", "bob", "carol")}
         md.add_shared("docs", list(tokens))
         say("tenants alice, bob, carol; shared namespace 'docs' (all three)")
-        endpoint = deployment.decoders[0]
+        endpoint = deployment.routers[0]  # the one front door
         _publish(endpoint, tokens["alice"], doc_ids, "docs", config.compressor, say)
         _publish(endpoint, tokens["alice"], private_ids, "", config.compressor, say)
         work = _workload(model, doc_ids, private_ids, tokens, config.requests)
@@ -215,6 +218,9 @@ def _report(runs: list[ModeRun], work, config: DemoConfig) -> None:
             f"{statistics.median(run.latencies):7.1f} {_pct(run.latencies, 0.95):7.1f} "
             f"{acc:>9s} {_human(pulled):>11s}  {verdict}"
         )
+    served = Counter(r.stats.get("worker", "?") for run in runs for r in run.replies)
+    print("\nserved by (through the router, by prefix affinity): " + ", ".join(
+        f"{worker} {count}" for worker, count in sorted(served.items())))  # fmt: skip
     print()
     print(f"request 1 (vericache, tenant alice, shared document):\n{runs[2].replies[0].text}")
     print(

@@ -35,3 +35,4 @@ def test_demo_runs_the_service_and_vericache_matches_full(tmp_path):
     assert rows["vericache"].rstrip().endswith("3/3")
     assert rows["full"].rstrip().endswith("3/3")
     assert "Larger: vericache demo --prefix-tokens" in out
+    assert "router at" in out and "served by (through the router" in out
