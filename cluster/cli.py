@@ -13,13 +13,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from cluster import decoder_cli, node_cli, store_cli, tls_cli
 from cluster.config_file import ConfigError
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
-from prefix_store.tls import TLSClientConfig
+
+if TYPE_CHECKING:
+    from prefix_store.tls import TLSClientConfig
 
 GENERATE_MODES = ("full", "lossy", "vericache")
 """Decoding modes of `vericache generate`: `full` is full-KV decoding (the reference),

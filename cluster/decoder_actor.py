@@ -12,11 +12,8 @@ import os
 
 import ray
 
+from cluster.roles import DECODER_RESOURCE  # noqa: E402,F401 - re-exported
 from decoder.service.config import DecoderConfig
-
-DECODER_RESOURCE = "decoder"
-"""Advertised by decoder hosts (`vericache node start --decoder`); where there are any,
-decoders go only there."""
 
 
 @ray.remote(max_restarts=0, max_concurrency=4)

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.decoder_actor import DECODER_RESOURCE
-from cluster.store_actor import STORAGE_RESOURCE
+from cluster.roles import DECODER_RESOURCE, STORAGE_RESOURCE
 from prefix_store.errors import InvalidArgument
 
 

@@ -11,11 +11,10 @@ import os
 
 import ray
 
+from cluster.roles import STORAGE_RESOURCE  # noqa: E402,F401 - re-exported
 from prefix_store import faults
 from prefix_store.config import ShardConfig
 from prefix_store.server import ShardServer
-
-STORAGE_RESOURCE = "storage"
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)

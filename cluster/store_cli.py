@@ -9,11 +9,14 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster import tls_cli
 from decoder.config import PLACEMENTS
 from prefix_store.errors import InvalidArgument
-from prefix_store.metadata import DEFAULT_QUOTA, Metadata, redact_url
+
+if TYPE_CHECKING:
+    from prefix_store.metadata import Metadata
 
 UNITS = {
     "": 1,
@@ -209,7 +212,7 @@ def add_commands(sub) -> None:
     add.add_argument(
         "--quota",
         type=parse_bytes,
-        default=DEFAULT_QUOTA,
+        default=8 << 30,  # prefix_store.metadata.DEFAULT_QUOTA (not imported: redis)
         help="bytes the tenant may store, replicas included (default 8GiB; 0 = unlimited)",
     )
     add.add_argument("--redis-url")
@@ -277,6 +280,7 @@ def _compressor(spec: str) -> str:
 
 def metadata(ns) -> Metadata:
     from cluster.serve import read_state
+    from prefix_store.metadata import Metadata
 
     url = ns.redis_url or read_state()["redis_url"]
     return Metadata(url)
@@ -377,7 +381,7 @@ def print_endpoints(deployment) -> None:
     from cluster.serve import state_file
 
     print(
-        f"  redis    {redact_url(deployment.redis_url)}   (full URL in {state_file()})", flush=True
+        f"  redis    {_redacted(deployment.redis_url)}   (full URL in {state_file()})", flush=True
     )
 
 
@@ -390,6 +394,12 @@ def run_stop(ns) -> int:
         return 1
     print(f"vericache: stopped {', '.join(stopped)}")
     return 0
+
+
+def _redacted(url: str) -> str:
+    from prefix_store.metadata import redact_url
+
+    return redact_url(url)
 
 
 def _status(md: Metadata) -> dict:

@@ -22,8 +22,10 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
+if TYPE_CHECKING:  # gRPC is imported where it is used: the CLI reads TLS files without it
+    import grpc
 
 PEM = b"-----BEGIN "
 MISMATCH = "the key is not the certificate's"
@@ -119,12 +121,16 @@ class TLSClientConfig:
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    import grpc
+
     return grpc.ssl_server_credentials(
         [(tls.key, tls.cert)], root_certificates=tls.client_ca, require_client_auth=tls.mutual
     )
 
 
 def channel_credentials(tls: TLSClientConfig) -> grpc.ChannelCredentials:
+    import grpc
+
     return grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
 
 
@@ -138,6 +144,8 @@ def bind(server: grpc.Server, address: str, tls: TLSConfig | None) -> int:
 
 def make_channel(address: str, options: Sequence, tls: TLSClientConfig | None) -> grpc.Channel:
     """A channel to `address`: TLS (verifying the server) when `tls` is given."""
+    import grpc
+
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, channel_credentials(tls), options=options)
@@ -147,6 +155,8 @@ def make_aio_channel(
     address: str, options: Sequence, tls: TLSClientConfig | None
 ) -> grpc.aio.Channel:
     """`make_channel` for grpc.aio."""
+    import grpc
+
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)

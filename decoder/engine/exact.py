@@ -19,7 +19,6 @@ from decoder.engine.state import PrefixGroup, Running, grouped
 from decoder.errors import Unreachable
 from decoder.kv_cache import KVCache, LayerKV
 from decoder.kv_source import LocalKVSource
-from decoder.near_data import RemotePass
 from decoder.runner import Logits, ModelRunner, SeqInput
 from decoder.staging import PrefixUnavailable
 from decoder.views import SharedPrefixView
@@ -27,6 +26,7 @@ from prefix_store.errors import LimitExceeded
 
 if TYPE_CHECKING:
     from decoder.engine.scheduler import Scheduler
+    from decoder.near_data import RemotePass
 
 REMEASURE = 16
 """`auto` placement: pulled passes of a near-data-capable prefix before near-data is tried

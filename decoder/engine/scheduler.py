@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,10 +32,12 @@ from decoder.engine.state import PrefixGroup, Running
 from decoder.errors import Cancelled, OverBudget, Unreachable
 from decoder.kv_cache import KVCache
 from decoder.kv_source import LocalKVSource
-from decoder.near_data import NearData
 from decoder.runner import ModelRunner
 from decoder.sampling import Sampler
 from decoder.staging import LayerRing
+
+if TYPE_CHECKING:  # the store's client stack is imported only where a prefix is remote
+    from decoder.near_data import NearData
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from decoder.draft_cache import DraftCache, DraftPrefix
 from decoder.engine.ngram import NgramProposer
@@ -15,9 +15,11 @@ from decoder.engine.stats import RequestStats
 from decoder.horizon import Acceptance, DraftYield
 from decoder.kv_cache import KVCache
 from decoder.kv_source import FullKVSource
-from decoder.near_data import NearData
 from decoder.sampling import Sampler
 from decoder.staging import PassGroup
+
+if TYPE_CHECKING:  # the store's client stack is imported only where a prefix is remote
+    from decoder.near_data import NearData
 
 T = TypeVar("T")
 

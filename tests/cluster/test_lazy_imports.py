@@ -1,0 +1,41 @@
+"""The CLI imports Ray, gRPC, Redis and transformers only in the commands that use them:
+`vericache --help` imports none of them, and an in-process generate (every mode) none but
+the tokenizer's transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("ray", "grpc", "redis", "transformers", "torch", "lmcache", "prometheus_client")
+
+
+def imported_after(code: str) -> list[str]:
+    probe = (
+        f"{code}\nimport sys, json\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_cli_and_its_help_import_nothing_heavy():
+    assert imported_after("import cluster.cli") == []
+    help_code = (
+        "from cluster.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0"
+    )
+    assert imported_after(help_code) == []
+
+
+def test_an_in_process_generate_needs_no_ray_grpc_or_redis():
+    for mode in ("full", "vericache"):
+        code = (
+            "import contextlib, io\nfrom cluster.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    assert main(['generate', '--prompt', 'def f(n):', '--max-new-tokens', '2', "
+            f"'--mode', '{mode}']) == 0"
+        )
+        assert set(imported_after(code)) == {"torch", "transformers"}, mode
