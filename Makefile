@@ -1,5 +1,5 @@
 # Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
-# bench-remote, bench-cluster, load, chaos.
+# bench-remote, bench-cluster, bench-footprint, load, chaos.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 KERNEL_STAMP := $(VENV)/.kernel-ready
 
 .PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
-	bench-remote bench-cluster load chaos clean
+	bench-remote bench-cluster bench-footprint load chaos clean
 
 install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -78,6 +78,11 @@ bench-remote: install
 # `ray up`) behind tc-shaped links of 1.2 GB/s and 1 Gbit/s. Needs root; ~25 minutes.
 bench-cluster: install
 	$(PY) bench/bench_cluster.py
+
+# Whole-process footprint of an in-process generate beside transformers' (wall time, peak
+# RSS), and the CLI's start-up: about 2 minutes.
+bench-footprint: install
+	$(PY) bench/bench_footprint.py
 
 # A deployment (2 shards, 1 decoder, Redis, Ray) under 64 concurrent clients of 4 tenants
 # for 10 minutes: latency per operation, errors by status, bytes and tokens checked, RSS.

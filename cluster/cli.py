@@ -257,6 +257,8 @@ def run_generate(args: GenerateArgs) -> int:
             f"({args.max_new_tokens}) exceeds the model's context of {limit}"
         )
     runner = ModelRunner(model.config, model.weights, RunnerConfig(threads=args.threads))
+    runner.release_source_weights(draft=args.mode != "full" or args.runner == "fast")
+    model = model.without_weights()  # the runner holds them, once
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.mode == "full" and not args.ngram:
         result = generate_full(
@@ -275,6 +277,7 @@ def run_generate(args: GenerateArgs) -> int:
         "runner": args.runner,
         "stop_reason": result.stop_reason,
         **result.stats,
+        **_memory(runner, len(prompt_ids) + len(result.tokens), result.stats),
     }
     if args.json:
         print(
@@ -308,6 +311,16 @@ def _generate_compressed(runner, model, prompt_ids, args: GenerateArgs, sampling
     stats["tokens_per_s"] = round(stats["generated_tokens"] / total, 3)
     stats["decode_tokens_per_s"] = round(stats["generated_tokens"] / stats["decode_s"], 3)
     return result
+
+
+def _memory(runner, tokens: int, stats: dict) -> dict[str, int]:
+    """What this process holds: weights (every form, once per storage), the request's KV
+    (full KV of its tokens, plus the compressed copy), and its peak resident memory."""
+    import resource
+
+    kv = tokens * runner.config.kv_bytes_per_token + int(stats.get("compressed_bytes", 0))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"weight_bytes": runner.weight_bytes, "kv_bytes": kv, "peak_rss_bytes": peak}
 
 
 def _stats_line(stats: dict) -> str:

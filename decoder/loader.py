@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,8 @@ class LoadedModel:
     path: Path
     """The Hugging Face folder the weights were read from."""
     config: ModelConfig
-    weights: ModelWeights
+    weights: ModelWeights | None
+    """None once a runner owns them (`without_weights`)."""
     tokenizer: Any
     """A `transformers` tokenizer (fast, from `tokenizer.json`)."""
     fingerprint: str
@@ -61,6 +62,11 @@ class LoadedModel:
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def without_weights(self) -> LoadedModel:
+        """This model without its weights (the tokenizer and config stay): what a caller
+        keeps once a runner owns the weights, so that they are held once."""
+        return replace(self, weights=None)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -92,6 +92,49 @@ class ModelRunner:
         self._exact_checked = not self.rc.self_check
         self._draft: _Linears | None = None  # built at the first fast forward
         self._draft_lock = threading.Lock()
+        self._released = False
+
+    def release_source_weights(self, draft: bool) -> int:
+        """Keep every layer's linear weights in one form only, the packed one the exact
+        kernels use (and, with `draft`, the fast mode's low-precision copy, built now):
+        the unpacked matrices are let go, so once the caller drops its own reference to
+        the loaded weights (`LoadedModel.without_weights`) their memory is freed. The
+        exact-mode self-check runs first (it needs them). Returns the bytes let go.
+        Afterwards fast mode works only if `draft` was given (or draft weights are fp32,
+        which are the packed exact ones); the embedding and the tied LM head stay as they
+        are (the lookup needs the plain matrix, the head its packed one)."""
+        self.ensure_exact_supported()
+        if draft:
+            self._draft_linears()
+        before = self.weights.nbytes
+        self.weights = self.weights.without_linears()
+        self._released = True
+        return before - self.weights.nbytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this runner holds, every form counted once per storage: the
+        unpacked tensors it keeps, the packed linears, the draft copy."""
+        seen: dict[object, int] = {}
+
+        def count(t: torch.Tensor) -> None:
+            if t.numel():
+                try:
+                    key: object = t.data_ptr()
+                except RuntimeError:  # an opaque (oneDNN-packed) tensor: its own storage
+                    key = ("opaque", id(t))
+                seen[key] = t.numel() * t.element_size()
+
+        w = self.weights
+        for t in (w.embed, w.final_norm, w.lm_head):
+            count(t)
+        for layer in w.layers:
+            for t in (layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm, layer.w_gate_up,
+                      layer.w_down):  # fmt: skip
+                count(t)
+        for linear in [self.lm_head] + [f for layer in self.layers for f in layer.linears]:
+            count(linear.weight)
+        return sum(seen.values()) + self.draft_weight_bytes
 
     @property
     def draft_weight_bytes(self) -> int:
@@ -150,6 +193,11 @@ class ModelRunner:
             kind = "fp32"
         if kind == "fp32":
             return _Linears(self.layers, self.lm_head)
+        if self._released:
+            raise RuntimeError(
+                "fast mode's draft weights are built from the unpacked weights, which "
+                "release_source_weights(draft=False) let go"
+            )
 
         def make(weight: torch.Tensor) -> LinearFn:
             return low_precision_linear(weight, kind)

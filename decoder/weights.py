@@ -35,6 +35,16 @@ class ModelWeights:
         """The same model with only its first `num_layers` blocks (shares storage)."""
         return replace(self, layers=self.layers[:num_layers])
 
+    def without_linears(self) -> ModelWeights:
+        """These weights without the layers' linear matrices (empty tensors in their place):
+        what a runner keeps once it has packed them (`ModelRunner.release_source_weights`)."""
+        empty = torch.empty(0)
+        layers = tuple(
+            replace(layer, wqkv=empty, wo=empty, w_gate_up=empty, w_down=empty)
+            for layer in self.layers
+        )
+        return replace(self, layers=layers)
+
     @property
     def nbytes(self) -> int:
         tensors = [self.embed, self.final_norm]

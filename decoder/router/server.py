@@ -43,6 +43,9 @@ SERVICE = "vericache.v1.Decoder"
 TEXT_CHARS_PER_TOKEN = 16
 """Text prompts are tokenized only as far as routing needs: this many characters per
 token of the identity's chunks (far more than any tokenizer's average)."""
+SUMMED = ("kv_budget", "kv_used", "in_flight", "queued", "kv_cached", "cached_prefixes",
+          "engines", "weight_bytes", "peak_rss_bytes")  # fmt: skip
+"""Info fields the router reports as the sum over its live decoders."""
 
 
 def routed_code(error: BaseException) -> grpc.StatusCode:
@@ -156,8 +159,7 @@ class RouterServicer:
                 continue  # a decoder going down: the others still answer
             total.model_id = total.model_id or info.model_id
             total.default_compressor = total.default_compressor or info.default_compressor
-            for name in ("kv_budget", "kv_used", "in_flight", "queued", "kv_cached",
-                         "cached_prefixes", "engines"):  # fmt: skip
+            for name in SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(info, name))
         return total
 

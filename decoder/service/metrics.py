@@ -138,6 +138,8 @@ class _WorkerCollector(Collector):
             ("queued", "Requests waiting for admission.", info.queued),
             ("cached_prefixes", "Prefixes the worker knows.", info.cached_prefixes),
             ("engines", "Engines (mode, compressor, n-gram) kept.", info.engines),
+            ("weight_bytes", "Model weights held, every form once.", info.weight_bytes),
+            ("peak_rss_bytes", "Peak resident memory of the process.", info.peak_rss_bytes),
             (
                 "tokens_per_second",
                 f"Tokens per second over {RATE_WINDOW_S:.0f} s.",

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import queue
+import resource
 import threading
 import time
 import uuid
@@ -116,7 +117,8 @@ class DecoderWorker:
         self.runner = ModelRunner(
             self.model.config, self.model.weights, RunnerConfig(threads=config.threads)
         )
-        self.runner.ensure_exact_supported()
+        self.runner.release_source_weights(draft=True)  # runs the exact-mode self-check
+        self.model = self.model.without_weights()  # the runner holds them, once
         self.layout = kv_layout(self.model.config, self.model.fingerprint)
         self.signer = self._signer(config)
         self._max_token_chars = max(map(len, self.model.tokenizer.get_vocab()))
@@ -176,6 +178,8 @@ class DecoderWorker:
             kv_cached=cached,
             cached_prefixes=prefixes,
             engines=len(engines),
+            weight_bytes=self.runner.weight_bytes,
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
 
     # -- Generate ---------------------------------------------------------------------------
