@@ -244,11 +244,13 @@ def run_generate(args: GenerateArgs) -> int:
         return decoder_cli.run_remote_generate(args)
     from decoder.config import RunnerConfig
     from decoder.generate import generate_full
-    from decoder.loader import load_model
-    from decoder.runner import ModelRunner
+    from decoder.loader import load_runner
     from decoder.sampling import SamplingParams
 
-    model = load_model(args.model)
+    config = RunnerConfig(threads=args.threads)
+    model, runner = load_runner(
+        args.model, config, draft=args.mode != "full" or args.runner == "fast"
+    )
     prompt_ids = model.encode(args.prompt, chat=args.chat)
     limit = model.config.max_position_embeddings
     if len(prompt_ids) + args.max_new_tokens > limit:
@@ -256,9 +258,6 @@ def run_generate(args: GenerateArgs) -> int:
             f"prompt ({len(prompt_ids)} tokens) plus --max-new-tokens "
             f"({args.max_new_tokens}) exceeds the model's context of {limit}"
         )
-    runner = ModelRunner(model.config, model.weights, RunnerConfig(threads=args.threads))
-    runner.release_source_weights(draft=args.mode != "full" or args.runner == "fast")
-    model = model.without_weights()  # the runner holds them, once
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.mode == "full" and not args.ngram:
         result = generate_full(

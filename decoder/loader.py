@@ -98,6 +98,25 @@ def load_model(
     return _load_hf_folder(folder, name=str(folder))
 
 
+def load_runner(
+    path: str | os.PathLike | None = None,
+    runner_config=None,
+    *,
+    draft: bool = True,
+    cache_dir: Path | None = None,
+):
+    """(the model without its weights, a runner that holds them once): `load_model`, then
+    `ModelRunner.consuming`, which packs the weights layer by layer and lets each layer's
+    unpacked matrices go as it does, so the process never holds the model twice. `draft`:
+    also make fast mode's low-precision copy (vericache and lossy decoding draft with it)."""
+    from decoder.runner import ModelRunner
+
+    model = load_model(path, cache_dir=cache_dir)
+    box = [model.weights]
+    model = model.without_weights()  # the loaded object (and its reference) goes here
+    return model, ModelRunner.consuming(model.config, box, runner_config, draft)
+
+
 def builtin_model_dir(cache_dir: Path) -> Path:
     """The converted built-in model's folder, converting the GGUF on first use."""
     gguf = _builtin_gguf_path()

@@ -90,9 +90,53 @@ class ModelRunner:
         self.layers = [_PackedLayer(w) for w in weights.layers]
         self.lm_head = Linear(weights.lm_head)
         self._exact_checked = not self.rc.self_check
+        self._exact_problem: str | None = None
         self._draft: _Linears | None = None  # built at the first fast forward
         self._draft_lock = threading.Lock()
         self._released = False
+
+    @classmethod
+    def consuming(
+        cls,
+        config: ModelConfig,
+        box: list[ModelWeights],
+        runner_config: RunnerConfig | None = None,
+        draft: bool = True,
+    ) -> ModelRunner:
+        """A runner that takes over the weights in `box` (a one-element list the caller
+        empties for it, so that nothing else holds them) and packs them layer by layer,
+        letting each layer's unpacked matrices go as soon as it is packed (and, with
+        `draft`, its fast-mode copy made): the process never holds the whole model in two
+        forms, so its peak memory is the model once plus one layer. The exact-mode
+        self-check runs first, on the unpacked weights. The result is a runner after
+        `release_source_weights(draft)`."""
+        weights = box.pop()
+        runner = cls.__new__(cls)
+        runner.config, runner.rc = config, runner_config or RunnerConfig()
+        if runner.rc.threads:
+            torch.set_num_threads(runner.rc.threads)
+        runner.rope = RopeTable(config.rope, config.head_dim)
+        runner.scale = 1.0 / math.sqrt(config.head_dim)
+        runner._draft, runner._draft_lock = None, threading.Lock()
+        runner._exact_checked, runner._exact_problem = not runner.rc.self_check, None
+        runner.weights = weights
+        if runner.rc.self_check:
+            runner._check_exact()
+        layers = list(weights.layers)
+        runner.weights = weights.without_linears()
+        runner.lm_head = Linear(weights.lm_head)
+        del weights
+        kind = runner._draft_kind() if draft else "fp32"
+        runner.layers, drafts = [], []
+        for index in range(len(layers)):
+            runner.layers.append(_PackedLayer(layers[index]))
+            if kind != "fp32":
+                drafts.append(_PackedLayer(layers[index], _low_precision(kind)))
+            layers[index] = None  # this layer's unpacked matrices go now
+        if kind != "fp32":
+            runner._draft = runner._draft_from(drafts, kind)
+        runner._released = True
+        return runner
 
     def release_source_weights(self, draft: bool) -> int:
         """Keep every layer's linear weights in one form only, the packed one the exact
@@ -103,7 +147,8 @@ class ModelRunner:
         Afterwards fast mode works only if `draft` was given (or draft weights are fp32,
         which are the packed exact ones); the embedding and the tied LM head stay as they
         are (the lookup needs the plain matrix, the head its packed one)."""
-        self.ensure_exact_supported()
+        if not self._exact_checked:
+            self._check_exact()
         if draft:
             self._draft_linears()
         before = self.weights.nbytes
@@ -183,14 +228,7 @@ class ModelRunner:
             return self._draft
 
     def _build_draft_linears(self) -> _Linears:
-        kind = self.rc.draft_weights
-        if kind in ("int8", "fp16") and int8_engine() is None:
-            warnings.warn(
-                f"{kind} draft weights need torch's fbgemm engine; drafting with fp32 weights",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            kind = "fp32"
+        kind = self._draft_kind()
         if kind == "fp32":
             return _Linears(self.layers, self.lm_head)
         if self._released:
@@ -198,28 +236,42 @@ class ModelRunner:
                 "fast mode's draft weights are built from the unpacked weights, which "
                 "release_source_weights(draft=False) let go"
             )
+        layers = [_PackedLayer(w, _low_precision(kind)) for w in self.weights.layers]
+        return self._draft_from(layers, kind)
 
-        def make(weight: torch.Tensor) -> LinearFn:
-            return low_precision_linear(weight, kind)
+    def _draft_kind(self) -> str:
+        """`RunnerConfig.draft_weights`, or fp32 where the low-precision engine is missing."""
+        kind = self.rc.draft_weights
+        if kind in ("int8", "fp16") and int8_engine() is None:
+            warnings.warn(
+                f"{kind} draft weights need torch's fbgemm engine; drafting with fp32 weights",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return "fp32"
+        return kind
 
-        layers = [_PackedLayer(w, make) for w in self.weights.layers]
-        lm_head = make(self.weights.lm_head)
+    def _draft_from(self, layers: list[_PackedLayer], kind: str) -> _Linears:
+        lm_head = _low_precision(kind)(self.weights.lm_head)
         linears = [lm_head] + [f for layer in layers for f in layer.linears]
         return _Linears(layers, lm_head, sum(f.nbytes for f in linears))
 
     def ensure_exact_supported(self) -> None:
-        """Run the exact-mode self-check once (cached per platform and shapes)."""
-        if self._exact_checked:
-            return
+        """Run the exact-mode self-check once (cached per platform and shapes); raise
+        ExactModeUnsupported when it failed."""
+        if not self._exact_checked:
+            self._check_exact()
+        if self._exact_problem:
+            raise ExactModeUnsupported(
+                f"exact mode refused on this platform: {self._exact_problem}. Lossless "
+                "decoding needs grouping-independent kernels; use a supported torch build "
+                "(CPU/MKL, torch 2.13) or run with --runner fast (no bitwise guarantee)."
+            )
+
+    def _check_exact(self) -> None:
         from decoder.selfcheck import check_exact_mode
 
-        problem = check_exact_mode(self.config, self.weights, self.rc)
-        if problem:
-            raise ExactModeUnsupported(
-                f"exact mode refused on this platform: {problem}. Lossless decoding needs "
-                "grouping-independent kernels; use a supported torch build (CPU/MKL, "
-                "torch 2.13) or run with --runner fast (no bitwise guarantee)."
-            )
+        self._exact_problem = check_exact_mode(self.config, self.weights, self.rc)
         self._exact_checked = True
 
     def _plan(self, seq: SeqInput) -> AttentionPlan:
@@ -511,6 +563,13 @@ class _Linears:
     layers: Sequence[_PackedLayer]
     lm_head: LinearFn
     nbytes: int = 0
+
+
+def _low_precision(kind: str) -> Callable[[torch.Tensor], LinearFn]:
+    def make(weight: torch.Tensor) -> LinearFn:
+        return low_precision_linear(weight, kind)
+
+    return make
 
 
 def _picked_rows(which: Logits, start: int, end: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ from decoder.config import RunnerConfig
 from decoder.engine import ENGINE_MODES, Engine, EngineConfig, Prefix, Request, prefill_prefix
 from decoder.errors import Cancelled, OverBudget
 from decoder.kv_source import FullKVSource
-from decoder.loader import LoadedModel, load_model
+from decoder.loader import LoadedModel, load_runner
 from decoder.runner import ModelRunner, SeqInput
 from decoder.sampling import SamplingParams
 from decoder.service.audit import Auditor, Sample
@@ -113,12 +113,14 @@ class DecoderWorker:
     def __init__(self, config: DecoderConfig, model: LoadedModel | None = None) -> None:
         """model: an already loaded model to serve (default: load `config.model`)."""
         self.config = config
-        self.model = model or load_model(config.model)
-        self.runner = ModelRunner(
-            self.model.config, self.model.weights, RunnerConfig(threads=config.threads)
-        )
-        self.runner.release_source_weights(draft=True)  # runs the exact-mode self-check
-        self.model = self.model.without_weights()  # the runner holds them, once
+        rc = RunnerConfig(threads=config.threads)
+        if model is None:  # its own: loaded into the runner layer by layer, held once
+            self.model, self.runner = load_runner(config.model, rc, draft=True)
+        else:  # a caller's (shared with others): packed, the caller's copy untouched
+            self.runner = ModelRunner(model.config, model.weights, rc)
+            self.runner.release_source_weights(draft=True)
+            self.model = model.without_weights()
+        self.runner.ensure_exact_supported()
         self.layout = kv_layout(self.model.config, self.model.fingerprint)
         self.signer = self._signer(config)
         self._max_token_chars = max(map(len, self.model.tokenizer.get_vocab()))
