@@ -31,7 +31,11 @@ class DecoderConfig:
     """A local Hugging Face folder; None = the built-in model."""
     kv_budget: int | None = None
     """KV bytes this worker may hold (compressed prefixes, tails, staging; the full-KV
-    baseline's resident prefixes); None = unlimited."""
+    baseline's resident prefixes); None = unlimited. Weights are not in it: the process
+    also holds the model once packed for the exact kernels plus the drafter's fp16 copy
+    (`Info.weight_bytes`: about 0.92 GB for the built-in model) and the runtime (about
+    0.3 GB), so a machine needs kv_budget + weight_bytes + ~0.3 GB per decoder; the Info
+    RPC and the metrics report weight bytes, KV bytes in use and peak RSS."""
     default_compressor: str = DEFAULT_COMPRESSOR
     staging_depth: int = 2
     """Layers of full prefix KV staged (and prefetched) at once per exact pass."""
