@@ -9,7 +9,10 @@ prefix (`publish_prefix`, two-phase puts) and fetches it into preallocated tenso
 - raw TCP: one preallocated buffer over a loopback socket (the link's limit here);
 - LMCache's own remote server (`python -m lmcache.v1.server HOST PORT cpu`, the `lm://`
   backend) driven by LMCache's own client (`LMCServerConnector` over a `LocalCPUBackend`),
-  on 11.8 MB chunks of the same bytes (bench/store_baselines.py).
+  on 11.8 MB chunks of the same bytes (bench/store_baselines.py);
+- the same LMCache client and payload through VeriCache's LMCache gateway
+  (`prefix_store.lmcache`, in this process), which stores each chunk into the shards as one
+  tenant's object (a PutArtifact/FetchArtifact per chunk, replication 1 as above).
 
 GB/s counts payload bytes (1e9) over wall time, medians of `--repeats` runs.
 
@@ -45,8 +48,11 @@ from cluster.serve import Deployment, ServeConfig  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 from prefix_store.config import ClientConfig, GiB, MiB  # noqa: E402
 from prefix_store.layout import KVLayout  # noqa: E402
+from prefix_store.lmcache import GatewayConfig, LMCacheGateway  # noqa: E402
 from prefix_store.metadata import Metadata  # noqa: E402
 
+LMCACHE_ROW = "LMCache's own server"
+GATEWAY_ROW = "LMCache client → VeriCache gateway"
 LAYOUT = KVLayout(
     "SmolLM2-135M-Instruct", "float32", num_layers=30, num_kv_heads=3, head_dim=64, chunk_tokens=256
 )
@@ -79,7 +85,22 @@ def measure_store(shards: int, args, kv: torch.Tensor) -> dict:
             )
             endpoints = list(deployment.endpoints.values())
             with StoreClient(endpoints, token, client_config) as client:
-                return transfer_runs(client, args, kv, payload)
+                result = transfer_runs(client, args, kv, payload)
+            if not args.skip_lmcache:
+                result["gateway"] = measure_gateway(endpoints, token, args)
+            return result
+
+
+def measure_gateway(endpoints: list[str], token: str, args) -> dict:
+    """LMCache's own client (the same driver and payload as the LMCache row) through
+    VeriCache's LMCache gateway, which stores into these shards as tenant `token`."""
+    config = GatewayConfig(tuple(endpoints), token, max_object_bytes=64 * MiB)
+    with LMCacheGateway(config) as gateway:
+        port = int(gateway.address.rsplit(":", 1)[1])
+        n_chunks = args.tokens // store_baselines.CHUNK_TOKENS
+        return store_baselines.measure_lmcache_client(
+            port, store_baselines.CHUNK_BYTES, n_chunks, args.repeats
+        )
 
 
 def transfer_runs(client: StoreClient, args, kv: torch.Tensor, payload: int) -> dict:
@@ -124,7 +145,7 @@ def table(rows: list[dict]) -> str:
         "| fetch vs raw TCP | bitwise |"
     )
     lines = [header, "|" + "---|" * 8]
-    lm = next((r for r in rows if r["system"] == "lmcache"), None)
+    lm = next((r for r in rows if r["system"] == LMCACHE_ROW), None)
     raw = next(r for r in rows if r["system"] == "raw tcp")
     for r in rows:
         put_ratio = f"{r['put_gbps'] / lm['put_gbps']:.2f}" if lm else "-"
@@ -162,7 +183,7 @@ def main(argv=None) -> None:
         lm = store_baselines.measure_lmcache(store_baselines.CHUNK_BYTES, n_chunks, args.repeats)
         rows.append(
             {
-                "system": "lmcache",
+                "system": LMCACHE_ROW,
                 "put_gbps": lm["put_gbps"],
                 "fetch_gbps": lm["get_gbps"],
                 "bitwise_equal": lm["bitwise_equal"],
@@ -172,12 +193,28 @@ def main(argv=None) -> None:
     kv = torch.randn(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, args.tokens, LAYOUT.head_dim)
     for shards in args.shards:
         result = measure_store(shards, args, kv)
+        gateway = result.pop("gateway", None)
         rows.append({"system": "vericache", "shards": shards, **result})
         print(
             f"vericache x{shards}: put {result['put_gbps']:.2f} GB/s, "
             f"fetch {result['fetch_gbps']:.2f}",
             flush=True,
         )
+        if gateway is not None:
+            rows.append(
+                {
+                    "system": GATEWAY_ROW,
+                    "shards": shards,
+                    "put_gbps": gateway["put_gbps"],
+                    "fetch_gbps": gateway["get_gbps"],
+                    "bitwise_equal": gateway["bitwise_equal"],
+                }
+            )
+            print(
+                f"{GATEWAY_ROW} x{shards}: put {gateway['put_gbps']:.2f} GB/s, "
+                f"get {gateway['get_gbps']:.2f}",
+                flush=True,
+            )
     print()
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,14 @@
 """Loopback baselines for the KV-store throughput benchmark.
 
-Two reference points, both over 127.0.0.1 only:
+Reference points, all over 127.0.0.1 only:
 
 - ``measure_lmcache``: LMCache's own remote server (``python -m lmcache.v1.server``, run as
   a subprocess) driven by LMCache's own client, ``LMCServerConnector`` (the ``lm://``
   remote connector) over a ``LocalCPUBackend`` that allocates the memory objects. Payload:
   KV chunks in LMCache's ``KV_2LTD`` layout ``[2, layers, tokens, kv_heads * head_dim]``
   for SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32): 46,080 bytes per token, so
-  a 256-token chunk is 11,796,480 bytes.
+  a 256-token chunk is 11,796,480 bytes. ``measure_lmcache_client`` is the same driver
+  against any ``lm://`` server, e.g. VeriCache's LMCache gateway (bench/bench_store.py).
 - ``measure_raw_socket``: the loopback TCP limit: one preallocated buffer pushed with
   ``sendall`` on a memoryview and pulled with ``recv_into`` a preallocated bytearray, in
   both directions.
@@ -284,34 +285,43 @@ def measure_lmcache(chunk_bytes: int, n_chunks: int, repeats: int = 3) -> dict[s
     """Put then get ``n_chunks`` KV chunks through LMCache's own server and client.
 
     Starts ``python -m lmcache.v1.server 127.0.0.1 PORT cpu`` on a free port and drives it
-    with ``LMCServerConnector`` over a CPU ``LocalCPUBackend`` (one asyncio event loop, the
-    chunks written and read one at a time, as the connector serializes its socket anyway).
+    with ``measure_lmcache_client``. The server is terminated on return and on error.
+    """
+    _check_sizes(chunk_bytes, n_chunks, repeats)
+    port = _free_port()
+    with _lmcache_server(port):
+        return measure_lmcache_client(port, chunk_bytes, n_chunks, repeats)
+
+
+def measure_lmcache_client(
+    port: int, chunk_bytes: int, n_chunks: int, repeats: int = 3
+) -> dict[str, Any]:
+    """Put then get ``n_chunks`` KV chunks with LMCache's own client against the ``lm://``
+    server at 127.0.0.1:``port`` (LMCache's own server, or VeriCache's LMCache gateway).
+
+    ``LMCServerConnector`` over a CPU ``LocalCPUBackend`` (one asyncio event loop, the chunks
+    written and read one at a time, as the connector serializes its socket anyway).
     ``chunk_bytes`` must be a whole number of SmolLM2-135M tokens (46,080 bytes each).
-    Every round uses new keys. The server is terminated on return and on error.
+    Every round uses new keys.
 
     Returns put/get GB/s (medians), the per-round seconds, and whether every chunk read
     back was bitwise equal to the chunk written.
     """
-    if chunk_bytes <= 0 or chunk_bytes % TOKEN_BYTES:
-        raise ValueError(f"chunk_bytes must be a positive multiple of {TOKEN_BYTES}")
-    if n_chunks <= 0 or repeats <= 0:
-        raise ValueError("n_chunks and repeats must be positive")
+    _check_sizes(chunk_bytes, n_chunks, repeats)
     _quiet_lmcache()  # before the import, so LMCache's loggers start quiet
     from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
 
-    port = _free_port()
     backend = _make_backend(chunk_bytes // TOKEN_BYTES, 2 * n_chunks)
     chunks = _make_payload(backend, n_chunks)
     loop = asyncio.new_event_loop()
     try:
-        with _lmcache_server(port):
-            conn = LMCServerConnector(HOST, port, loop, backend)
-            try:
-                put_s, get_s, equal = loop.run_until_complete(
-                    _run_lmcache_rounds(conn, chunks, repeats)
-                )
-            finally:
-                loop.run_until_complete(conn.close())
+        conn = LMCServerConnector(HOST, port, loop, backend)
+        try:
+            put_s, get_s, equal = loop.run_until_complete(
+                _run_lmcache_rounds(conn, chunks, repeats)
+            )
+        finally:
+            loop.run_until_complete(conn.close())
     finally:
         loop.close()
         for obj in chunks:
@@ -329,6 +339,13 @@ def measure_lmcache(chunk_bytes: int, n_chunks: int, repeats: int = 3) -> dict[s
         "total_bytes": total,
         "repeats": repeats,
     }
+
+
+def _check_sizes(chunk_bytes: int, n_chunks: int, repeats: int) -> None:
+    if chunk_bytes <= 0 or chunk_bytes % TOKEN_BYTES:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {TOKEN_BYTES}")
+    if n_chunks <= 0 or repeats <= 0:
+        raise ValueError("n_chunks and repeats must be positive")
 
 
 # --------------------------------------------------------------------------- raw socket

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+import grpc.aio
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client import core as policy
@@ -280,6 +281,24 @@ class AsyncStoreClient:
             reading = retrying_async(self.core.attempts([shard_id]), read)
             search.take(shard_id, await outcome(reading))
         return search.found
+
+    async def has_artifact(self, prefix: CachedPrefix, spec: str) -> bool:
+        """As `StoreClient.has_artifact`."""
+        await self._fresh()
+        probe = self.core.artifact_probe(prefix, spec)
+
+        async def peek(shard_id: str) -> bool:
+            address, deadline = self.core.address(shard_id), self.core.deadlines.call
+            call = self._conn.call(address, "FetchArtifact", probe.request, deadline)
+            try:
+                return await call.read() is not grpc.aio.EOF
+            finally:
+                call.cancel()
+
+        for shard_id in probe:
+            attempts = self.core.attempts([shard_id])
+            probe.take(shard_id, await outcome(retrying_async(attempts, peek)))
+        return probe.found
 
     async def delete_prefix(self, tokens, layout: KVLayout, namespace: str = "") -> int:
         """As `StoreClient.delete_prefix`."""

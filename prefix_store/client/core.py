@@ -397,6 +397,9 @@ class ClientCore:
     ) -> ArtifactSearch:
         return ArtifactSearch(self, prefix, spec, verifier)
 
+    def artifact_probe(self, prefix: CachedPrefix, spec: str) -> ArtifactProbe:
+        return ArtifactProbe(self, prefix, spec)
+
 
 class ArtifactSearch:
     """fetch_artifact's walk over an artifact's owners, healthy first, until one yields a
@@ -432,6 +435,37 @@ class ArtifactSearch:
             self.found = data
         else:
             log.warning("artifact %s on %s is not signed by this deployment", self.spec, shard_id)
+
+
+PROBE_MESSAGE_BYTES = 64 * 1024
+"""has_artifact reads one FetchArtifact message of at most this size, then cancels."""
+
+
+class ArtifactProbe:
+    """has_artifact's walk over an artifact's owners, healthy first, until one holds it: a
+    miss, a corrupt copy or an unreachable owner moves on; any other error is raised. An
+    owner holds it when its FetchArtifact stream yields a first message."""
+
+    def __init__(self, core: ClientCore, prefix: CachedPrefix, spec: str) -> None:
+        self.owners = core.artifact_owners(prefix, spec)
+        self.request = pb.FetchArtifactRequest(
+            id=artifact_id(prefix, spec), max_message_bytes=PROBE_MESSAGE_BYTES
+        )
+        self.found = False
+
+    def __iter__(self) -> Iterator[str]:
+        for shard_id in self.owners:
+            if not self.found:
+                yield shard_id
+
+    def take(self, shard_id: str, outcome: bool | StoreError) -> None:
+        """What probing `shard_id` gave: whether it streamed a message, or its error."""
+        if isinstance(outcome, NotFound | DataLoss | Unavailable):
+            log.info("has_artifact: %s: %s", shard_id, outcome)
+        elif isinstance(outcome, StoreError):
+            raise outcome
+        else:
+            self.found = outcome
 
 
 class FetchRoute:

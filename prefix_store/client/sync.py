@@ -344,6 +344,24 @@ class StoreClient:
             search.take(shard_id, outcome(retrying, attempts, read))
         return search.found
 
+    def has_artifact(self, prefix: CachedPrefix, spec: str) -> bool:
+        """Whether an owner holds the artifact (each asked streams one small message)."""
+        self._fresh()
+        probe = self.core.artifact_probe(prefix, spec)
+        for shard_id in probe:
+            attempts = self.core.attempts([shard_id])
+            peek = lambda s: self._peek_artifact(s, probe.request)  # noqa: E731
+            probe.take(shard_id, outcome(retrying, attempts, peek))
+        return probe.found
+
+    def _peek_artifact(self, shard_id: str, request) -> bool:
+        address, deadline = self.core.address(shard_id), self.core.deadlines.call
+        call = self._conn.call(address, "FetchArtifact", request, deadline)
+        try:
+            return next(call, None) is not None
+        finally:
+            call.cancel()
+
     def _read_artifact(self, shard_id: str, request) -> ArtifactReceipt:
         receipt = ArtifactReceipt()
         address, deadline = self.core.address(shard_id), self.core.deadlines.stream

@@ -1,0 +1,165 @@
+"""One LMCache connection: read a frame, answer it, in order, until the peer leaves.
+
+Frames on a connection are handled one after another, so a reply means every PUT before it
+on that connection was stored or refused (LMCache's own server behaves the same way).
+Failures tied to one request fail that request alone: a store error makes a PUT unstored
+(the protocol has no PUT reply: the key stays a miss, or keeps its earlier object) and a
+GET or EXIST a miss; the connection goes on. A frame that cannot be parsed, a stalled peer
+or a broken socket ends this connection only.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import Counter
+
+from prefix_store.errors import StoreError
+from prefix_store.lmcache.errors import ProtocolError
+from prefix_store.lmcache.objects import Envelope, ObjectStore
+from prefix_store.lmcache.protocol import (
+    ClientHeader,
+    Command,
+    ReturnCode,
+    parse_client_header,
+    reply,
+)
+
+log = logging.getLogger("prefix_store.lmcache")
+
+
+class Closed(Exception):
+    """The peer closed its side."""
+
+
+class GatewayStats:
+    """What the gateway did, by event name (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def count(self, event: str) -> None:
+        with self._lock:
+            self._counts[event] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class Session:
+    """Serves one accepted socket until the peer leaves or a frame is bad."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        objects: ObjectStore,
+        stats: GatewayStats,
+        max_object_bytes: int,
+        io_timeout_s: float,
+        idle_timeout_s: float,
+    ) -> None:
+        self.sock, self.objects, self.stats = sock, objects, stats
+        self.max_object_bytes = max_object_bytes
+        self.io_timeout_s, self.idle_timeout_s = io_timeout_s, idle_timeout_s
+        self.busy = False
+        """Whether a frame is being served (a stopping gateway lets it finish)."""
+
+    def run(self) -> None:
+        try:
+            while self.serve_one():
+                pass
+        except ProtocolError as error:
+            self.stats.count("protocol_errors")
+            log.warning("lmcache gateway: closing a connection: %s", error)
+        except (Closed, OSError):
+            pass  # the peer left, stalled or reset: only this connection ends
+        finally:
+            self.sock.close()
+
+    def serve_one(self) -> bool:
+        """Read and answer one frame; False when the peer closed between frames."""
+        frame = bytearray(ClientHeader.SIZE)
+        if not self._read_into(memoryview(frame), first=True):
+            return False
+        header = parse_client_header(bytes(frame), self.max_object_bytes)
+        handler = {
+            Command.PUT: self.put,
+            Command.GET: self.get,
+            Command.EXIST: self.exist,
+            Command.HEALTH: self.health,
+            Command.LIST: self.list_keys,
+        }[header.command]
+        handler(header)
+        self.busy = False
+        return True
+
+    # ---- commands ---------------------------------------------------------------------
+
+    def put(self, header: ClientHeader) -> None:
+        buffer, payload = Envelope.buffer(header.key, header.meta, header.length)
+        self._read_into(payload)
+        payload.release()
+        try:
+            self.objects.put(header.key, bytes(buffer))
+            self.stats.count("puts")
+        except StoreError as error:
+            self.stats.count(f"put_refused:{type(error).__name__}")
+            log.warning("lmcache gateway: a PUT was not stored: %s", error)
+
+    def get(self, header: ClientHeader) -> None:
+        found = self._ask("get", self.objects.get, header.key)
+        if found is None:
+            self.stats.count("get_misses")
+            self._send(reply(ReturnCode.FAIL))
+            return
+        meta, payload = found
+        self.stats.count("get_hits")
+        self._send(reply(ReturnCode.SUCCESS, len(payload), meta), payload)
+
+    def exist(self, header: ClientHeader) -> None:
+        present = bool(self._ask("exist", self.objects.exists, header.key))
+        self.stats.count("exist_hits" if present else "exist_misses")
+        self._send(reply(ReturnCode.SUCCESS if present else ReturnCode.FAIL))
+
+    def health(self, header: ClientHeader) -> None:
+        self._send(reply(ReturnCode.SUCCESS))
+
+    def list_keys(self, header: ClientHeader) -> None:
+        self._send(reply(ReturnCode.FAIL))  # LMCache 0.5.6's server does not list either
+
+    def _ask(self, what: str, call, key: str):
+        """`call(key)`, or None (a miss) when the store fails it."""
+        try:
+            return call(key)
+        except StoreError as error:
+            self.stats.count(f"{what}_failed:{type(error).__name__}")
+            log.warning("lmcache gateway: a %s failed (answered as a miss): %s", what, error)
+            return None
+
+    # ---- socket I/O -------------------------------------------------------------------
+
+    def _read_into(self, view: memoryview, first: bool = False) -> bool:
+        """Fill `view`; False if the peer closed before its first byte when `first`."""
+        got = 0
+        self.sock.settimeout(self.idle_timeout_s if first else self.io_timeout_s)
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                if first and got == 0:
+                    return False
+                raise Closed
+            if got == 0:
+                self.busy = True
+                self.sock.settimeout(self.io_timeout_s)
+            got += n
+        return True
+
+    def _send(self, head: bytes, payload: memoryview | None = None) -> None:
+        """Send the reply; each send may stall at most `io_timeout_s` (not the whole)."""
+        self.sock.settimeout(self.io_timeout_s)
+        for part in (memoryview(head), payload):
+            while part:
+                part = part[self.sock.send(part) :]
