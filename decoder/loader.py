@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +26,12 @@ import torch
 from decoder.config import ModelConfig
 from decoder.errors import ModelLoadError
 from decoder.progress import progress
-from decoder.weights import ModelWeights, weights_from_hf_state
+from decoder.weights import (
+    ModelWeights,
+    head_from_hf_state,
+    layers_from_hf_state,
+    weights_from_hf_state,
+)
 from prefix_store.attention.kernel import cache_dir as kernel_cache_dir
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
@@ -89,13 +95,8 @@ def load_model(
     path: str | os.PathLike | None = None, *, cache_dir: Path | None = None
 ) -> LoadedModel:
     """Load the built-in model (`path` None or `BUILTIN_MODEL`) or a local HF folder."""
-    if path is None or str(path) == BUILTIN_MODEL:
-        folder = builtin_model_dir(cache_dir or default_cache_dir())
-        return _load_hf_folder(folder, name=BUILTIN_MODEL)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ModelLoadError(f"--model {path}: not a directory")
-    return _load_hf_folder(folder, name=str(folder))
+    folder, name = _folder(path, cache_dir)
+    return _load_hf_folder(folder, name=name)
 
 
 def load_runner(
@@ -105,16 +106,28 @@ def load_runner(
     draft: bool = True,
     cache_dir: Path | None = None,
 ):
-    """(the model without its weights, a runner that holds them once): `load_model`, then
-    `ModelRunner.consuming`, which packs the weights layer by layer and lets each layer's
-    unpacked matrices go as it does, so the process never holds the model twice. `draft`:
-    also make fast mode's low-precision copy (vericache and lossy decoding draft with it)."""
+    """(the model without its weights, a runner holding them once): the weight files are
+    read one block at a time into `ModelRunner.consuming`, which packs each block and lets
+    it go before the next, so the process never holds the model twice. `draft`: also make
+    fast mode's low-precision copy (vericache and lossy decoding draft with it)."""
     from decoder.runner import ModelRunner
 
-    model = load_model(path, cache_dir=cache_dir)
-    box = [model.weights]
-    model = model.without_weights()  # the loaded object (and its reference) goes here
-    return model, ModelRunner.consuming(model.config, box, runner_config, draft)
+    folder, name = _folder(path, cache_dir)
+    with _weight_files(folder) as (config, get):
+        head = head_from_hf_state(config, get)
+        runner = ModelRunner.consuming(
+            config, head, layers_from_hf_state(config, get), runner_config, draft
+        )
+    return _load_hf_folder(folder, name=name, weights=False), runner
+
+
+def _folder(path, cache_dir: Path | None) -> tuple[Path, str]:
+    if path is None or str(path) == BUILTIN_MODEL:
+        return builtin_model_dir(cache_dir or default_cache_dir()), BUILTIN_MODEL
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"--model {path}: not a directory")
+    return folder, str(folder)
 
 
 def builtin_model_dir(cache_dir: Path) -> Path:
@@ -186,14 +199,40 @@ def _step(bar, upcoming: str) -> None:
     bar.set_postfix_str(upcoming)
 
 
-def _load_hf_folder(folder: Path, *, name: str) -> LoadedModel:
-    from safetensors import safe_open
+def _load_hf_folder(folder: Path, *, name: str, weights: bool = True) -> LoadedModel:
+    """The model in `folder`; without `weights` only its config, tokenizer and identity
+    (`load_runner` reads the weights itself)."""
     from transformers import AutoTokenizer
 
+    with _weight_files(folder) as (config, get):
+        loaded = weights_from_hf_state(config, get) if weights else None
+    if not (folder / "tokenizer.json").exists():
+        raise ModelLoadError(f"{folder}: no tokenizer.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(
+        name=name,
+        path=folder,
+        config=config,
+        weights=loaded,
+        tokenizer=tokenizer,
+        fingerprint=_fingerprint(_hf_config(folder), sorted(folder.glob("*.safetensors"))),
+    )
+
+
+def _hf_config(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    hf_config = json.loads(config_file.read_text())
+    return json.loads(config_file.read_text())
+
+
+@contextlib.contextmanager
+def _weight_files(folder: Path):
+    """(the model's config, `get(name)` -> tensor) over the folder's safetensors files,
+    open for the block. Tensors are read into memory of their own (`SafetensorsFile`), not
+    mapped: a mapped file stays resident as a whole while it is open, so a runner packing
+    block by block would hold the model twice after all."""
+    hf_config = _hf_config(folder)
     try:
         config = ModelConfig.from_hf(hf_config)
     except (KeyError, ValueError) as e:
@@ -202,7 +241,7 @@ def _load_hf_folder(folder: Path, *, name: str) -> LoadedModel:
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weight files")
     with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        handles = [stack.enter_context(SafetensorsFile(f)) for f in files]
         where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118
 
         def get(key: str) -> torch.Tensor:
@@ -210,18 +249,55 @@ def _load_hf_folder(folder: Path, *, name: str) -> LoadedModel:
                 raise ModelLoadError(f"{folder}: weight {key!r} not found in safetensors files")
             return where[key].get_tensor(key)
 
-        weights = weights_from_hf_state(config, get)
-    if not (folder / "tokenizer.json").exists():
-        raise ModelLoadError(f"{folder}: no tokenizer.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return LoadedModel(
-        name=name,
-        path=folder,
-        config=config,
-        weights=weights,
-        tokenizer=tokenizer,
-        fingerprint=_fingerprint(hf_config, files),
-    )
+        yield config, get
+
+
+class SafetensorsFile:
+    """A safetensors file read tensor by tensor with `preadv` into fresh tensors (the format:
+    an 8-byte little-endian header length, a JSON header of dtype, shape and data offsets,
+    then the data)."""
+
+    DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}  # fmt: skip
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        try:
+            (size,) = struct.unpack("<Q", self._file.read(8))
+            if size > 100 << 20:
+                raise ValueError(f"a header of {size} bytes")
+            self._header = json.loads(self._file.read(size))
+            self._base = 8 + size
+            self._length = os.fstat(self._file.fileno()).st_size
+        except (struct.error, ValueError) as error:
+            self._file.close()
+            raise ModelLoadError(f"{path}: not a safetensors file ({error})") from None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return [k for k in self._header if k != "__metadata__"]
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        info = self._header[key]
+        start, end = info["data_offsets"]
+        dtype = self.DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ModelLoadError(f"{self.path}: {key} has unsupported dtype {info['dtype']}")
+        tensor = torch.empty(info["shape"], dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if end - start != nbytes or self._base + end > self._length:
+            raise ModelLoadError(f"{self.path}: {key}'s data offsets do not fit its shape")
+        if nbytes:
+            view = memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+            if os.preadv(self._file.fileno(), [view], self._base + start) != nbytes:
+                raise ModelLoadError(f"{self.path}: {key} is truncated")
+        return tensor
 
 
 FINGERPRINT_CACHE = ".vericache-fingerprint.json"

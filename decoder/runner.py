@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -99,18 +99,20 @@ class ModelRunner:
     def consuming(
         cls,
         config: ModelConfig,
-        box: list[ModelWeights],
+        head: ModelWeights,
+        layers: Iterator[LayerWeights],
         runner_config: RunnerConfig | None = None,
         draft: bool = True,
     ) -> ModelRunner:
-        """A runner that takes over the weights in `box` (a one-element list the caller
-        empties for it, so that nothing else holds them) and packs them layer by layer,
-        letting each layer's unpacked matrices go as soon as it is packed (and, with
-        `draft`, its fast-mode copy made): the process never holds the whole model in two
-        forms, so its peak memory is the model once plus one layer. The exact-mode
-        self-check runs first, on the unpacked weights. The result is a runner after
+        """A runner built from weights read one block at a time (`head`: the embedding,
+        final norm and LM head; `layers`: the blocks in order, e.g. straight from the
+        weight files, `loader.load_runner`): each block is packed (and, with `draft`, its
+        fast-mode copy made) and let go before the next is read, so the process never holds
+        the model in two forms, nor all of it unpacked. The exact-mode self-check runs on
+        the first two blocks before they are packed. The result is a runner after
         `release_source_weights(draft)`."""
-        weights = box.pop()
+        from decoder.weights import check_shapes
+
         runner = cls.__new__(cls)
         runner.config, runner.rc = config, runner_config or RunnerConfig()
         if runner.rc.threads:
@@ -119,20 +121,30 @@ class ModelRunner:
         runner.scale = 1.0 / math.sqrt(config.head_dim)
         runner._draft, runner._draft_lock = None, threading.Lock()
         runner._exact_checked, runner._exact_problem = not runner.rc.self_check, None
-        runner.weights = weights
+        first = [next(layers) for _ in range(min(2, config.num_layers))]
+        check_shapes(config, head.embed, first, head.lm_head)
+        runner.weights = replace(head, layers=tuple(first))
         if runner.rc.self_check:
             runner._check_exact()
-        layers = list(weights.layers)
-        runner.weights = weights.without_linears()
-        runner.lm_head = Linear(weights.lm_head)
-        del weights
         kind = runner._draft_kind() if draft else "fp32"
-        runner.layers, drafts = [], []
-        for index in range(len(layers)):
-            runner.layers.append(_PackedLayer(layers[index]))
+        runner.weights = replace(head, layers=())
+        runner.lm_head = Linear(head.lm_head)
+
+        def blocks() -> Iterator[LayerWeights]:
+            while first:  # the checked ones first, each let go as it is handed out
+                yield first.pop(0)
+            yield from layers
+
+        runner.layers, drafts, slim = [], [], []
+        for layer in blocks():
+            runner.layers.append(_PackedLayer(layer))
             if kind != "fp32":
-                drafts.append(_PackedLayer(layers[index], _low_precision(kind)))
-            layers[index] = None  # this layer's unpacked matrices go now
+                drafts.append(_PackedLayer(layer, _low_precision(kind)))
+            slim.append(layer.without_linears())
+            del layer  # this block's unpacked matrices go before the next is read
+        if len(runner.layers) != config.num_layers:
+            raise ValueError(f"{len(runner.layers)} blocks read, config has {config.num_layers}")
+        runner.weights = replace(head, layers=tuple(slim))
         if kind != "fp32":
             runner._draft = runner._draft_from(drafts, kind)
         runner._released = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +21,11 @@ class LayerWeights:
     w_gate_up: torch.Tensor  # [2 * I, d]: gate and up projections stacked
     w_down: torch.Tensor  # [d, I]
 
+    def without_linears(self) -> LayerWeights:
+        """The block's norms alone (empty tensors for its matrices)."""
+        empty = torch.empty(0)
+        return replace(self, wqkv=empty, wo=empty, w_gate_up=empty, w_down=empty)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelWeights:
@@ -38,12 +43,7 @@ class ModelWeights:
     def without_linears(self) -> ModelWeights:
         """These weights without the layers' linear matrices (empty tensors in their place):
         what a runner keeps once it has packed them (`ModelRunner.release_source_weights`)."""
-        empty = torch.empty(0)
-        layers = tuple(
-            replace(layer, wqkv=empty, wo=empty, w_gate_up=empty, w_down=empty)
-            for layer in self.layers
-        )
-        return replace(self, layers=layers)
+        return replace(self, layers=tuple(layer.without_linears() for layer in self.layers))
 
     @property
     def nbytes(self) -> int:
@@ -67,35 +67,44 @@ def weights_from_hf_state(config: ModelConfig, get: Callable[[str], torch.Tensor
 
     Raises KeyError naming the first missing parameter.
     """
+    head = head_from_hf_state(config, get)
+    layers = tuple(layers_from_hf_state(config, get))
+    check_shapes(config, head.embed, layers, head.lm_head)
+    return replace(head, layers=layers)
 
-    def f32(name: str) -> torch.Tensor:
-        return get(name).to(torch.float32)
 
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        layers.append(
-            LayerWeights(
-                attn_norm=f32(p + "input_layernorm.weight").contiguous(),
-                wqkv=torch.cat([f32(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                wo=f32(p + "self_attn.o_proj.weight").contiguous(),
-                mlp_norm=f32(p + "post_attention_layernorm.weight").contiguous(),
-                w_gate_up=torch.cat([f32(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-                w_down=f32(p + "mlp.down_proj.weight").contiguous(),
-            )
-        )
-    embed = f32("model.embed_tokens.weight").contiguous()
-    lm_head = embed if config.tie_word_embeddings else f32("lm_head.weight").contiguous()
-    _check_shapes(config, embed, layers, lm_head)
+def head_from_hf_state(config: ModelConfig, get: Callable[[str], torch.Tensor]) -> ModelWeights:
+    """The weights outside the blocks (embedding, final norm, LM head), with no layers."""
+    embed = _f32(get, "model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else _f32(get, "lm_head.weight")
     return ModelWeights(
-        embed=embed,
-        layers=tuple(layers),
-        final_norm=f32("model.norm.weight").contiguous(),
-        lm_head=lm_head,
+        embed=embed, layers=(), final_norm=_f32(get, "model.norm.weight"), lm_head=lm_head
     )
 
 
-def _check_shapes(config: ModelConfig, embed, layers, lm_head) -> None:
+def layers_from_hf_state(
+    config: ModelConfig, get: Callable[[str], torch.Tensor]
+) -> Iterator[LayerWeights]:
+    """The blocks one at a time, in order, so that a caller may pack each and let it go
+    before the next is read (`check_shapes` the head and the first one)."""
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        layer = LayerWeights(
+            attn_norm=_f32(get, p + "input_layernorm.weight"),
+            wqkv=torch.cat([_f32(get, p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            wo=_f32(get, p + "self_attn.o_proj.weight"),
+            mlp_norm=_f32(get, p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([_f32(get, p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+            w_down=_f32(get, p + "mlp.down_proj.weight"),
+        )
+        yield layer
+
+
+def _f32(get: Callable[[str], torch.Tensor], name: str) -> torch.Tensor:
+    return get(name).to(torch.float32).contiguous()
+
+
+def check_shapes(config: ModelConfig, embed, layers, lm_head) -> None:
     c = config
     expected = {
         "embed": ((c.vocab_size, c.hidden_size), embed.shape),

@@ -41,16 +41,15 @@ def test_released_runner_holds_each_layer_once_and_decodes_the_same(builtin_mode
     assert builtin_model.weights.layers[0].wqkv.numel() > 0  # the caller's weights untouched
 
 
-def test_a_consuming_runner_packs_layer_by_layer_and_decodes_the_same(builtin_model):
-    from dataclasses import replace
+def test_a_runner_loaded_block_by_block_holds_each_once_and_decodes_the_same(builtin_model):
+    from decoder.loader import load_runner
 
     prompt = builtin_model.encode("def fibonacci(n):")
     eos = builtin_model.eos_token_ids
-    own = replace(builtin_model.weights)  # a second handle: the session's model stays intact
-    box = [own]
-    del own
-    runner = ModelRunner.consuming(builtin_model.config, box, RunnerConfig(), draft=True)
-    assert box == [] and linear_storages(runner) == [] and runner.draft_weight_bytes > 0
+    model, runner = load_runner(draft=True)
+    assert model.weights is None and model.fingerprint == builtin_model.fingerprint
+    assert linear_storages(runner) == [] and runner.draft_weight_bytes > 0
+    assert len(runner.layers) == builtin_model.config.num_layers
     reference = ModelRunner(builtin_model.config, builtin_model.weights, RunnerConfig())
     want = generate_full(reference, [prompt], max_new_tokens=12, eos_token_ids=eos)[0].tokens
     assert generate_full(runner, [prompt], max_new_tokens=12, eos_token_ids=eos)[0].tokens == want
