@@ -34,6 +34,15 @@ class GatewayActor:
         """What it did: puts, refused puts by reason, hits, misses, protocol errors."""
         return {**self.gateway.stats.snapshot(), "open_connections": self.gateway.connections()}
 
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint ("" when it serves none); on 0.0.0.0 the node's IP."""
+        url = self.gateway.metrics_url
+        if url and self.gateway.config.host in ("0.0.0.0", "::"):
+            url = url.replace(
+                f"//{self.gateway.config.host}:", f"//{ray.util.get_node_ip_address()}:"
+            )
+        return url
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -38,7 +38,7 @@ def _add(values: dict, name: str, labels: dict, value: float) -> None:
     component, _, metric = name.removeprefix("vericache_").partition("_")
     if metric == "requests_total":
         values["requests"] += value
-        if labels.get("code") != OK:
+        if labels.get("code", OK) != OK:
             values["errors"] += value
     elif metric in ("sent_bytes_total", "received_bytes_total"):
         values[metric.removesuffix("_total")] += value
@@ -59,6 +59,7 @@ def _add(values: dict, name: str, labels: dict, value: float) -> None:
         "in_flight",
         "queued",
         "cached_prefixes",
+        "connections",
         "data_plane_tickets",
         "leased_blobs",
         "evictions_total",
@@ -74,6 +75,12 @@ def render(figures: dict[str, dict]) -> list[str]:
     for name, f in figures.items():
         if "error" in f:
             lines.append(f"  {name:<10} unreachable: {f['error']}")
+        elif name.startswith("lmcache"):
+            lines.append(
+                f"  {name:<10} {f.get('requests', 0):>7.0f} LMCache requests  out "
+                f"{_size(f.get('sent_bytes', 0))}  in {_size(f.get('received_bytes', 0))}  "
+                f"connections {f.get('connections', 0):.0f}"
+            )
         elif name.startswith("router"):
             lines.append(
                 f"  {name:<10} {f.get('requests', 0):>7.0f} calls ({f.get('errors', 0):.0f} "

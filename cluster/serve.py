@@ -136,6 +136,17 @@ class ServeConfig:
     metrics_token: str | None = field(default=None, repr=False)
     """Bearer token the metrics endpoints require; None = a fresh random one (written to
     the state file, which `vericache status` reads)."""
+    lmcache_port: int | None = None
+    """Start an LMCache gateway (`prefix_store.lmcache`: LMCache's `lm://` protocol) on this
+    port (0 = a free one); None: none."""
+    lmcache_host: str = "127.0.0.1"
+    """Where the gateway binds: LMCache's protocol has no credentials, so every connection
+    acts as the gateway's tenant; keep it on loopback or a network only its engines reach."""
+    lmcache_token: str | None = field(default=None, repr=False)
+    """The token of the tenant the gateway acts as; None = the tenant `lmcache`, created
+    (or its token rotated) by `serve`."""
+    lmcache_namespace: str = ""
+    """The namespace its objects go to ("" = the tenant's own)."""
     audit_rate: float = 0.0
     """Share of vericache requests the decoders decode again with full KV, off the hot
     path, to compare token for token (`decoder.service.audit`); 0: off."""
@@ -153,6 +164,8 @@ class ServeConfig:
             raise ValueError("decoders: must be >= 0")
         if self.routers is not None and not 0 <= self.routers <= 8:
             raise ValueError("routers: must be in [0, 8]")
+        if self.lmcache_port is not None and not 0 <= self.lmcache_port < 65536:
+            raise ValueError("lmcache_port: must be in [0, 65536)")
         if self.routers and not self.decoders:
             raise ValueError("routers: need decoders to route to (--decoders >= 1)")
         if not 0 <= self.ngram <= MAX_NGRAM:
@@ -241,6 +254,21 @@ class ServeConfig:
             metrics=self.metrics_config(offset, metrics_token) if metrics_token else None,
         )
 
+    def gateway(self, store_endpoints: list[str], token: str, metrics_token: str = ""):
+        """The LMCache gateway's config (its metrics after the routers')."""
+        from prefix_store.lmcache import GatewayConfig
+
+        offset = self.shards + self.decoders + self.router_count
+        return GatewayConfig(
+            tuple(store_endpoints),
+            token,
+            namespace=self.lmcache_namespace,
+            host=self.lmcache_host,
+            port=self.lmcache_port or 0,
+            tls=self.store_client_tls(),
+            metrics=self.metrics_config(offset, metrics_token) if metrics_token else None,
+        )
+
     def store_client_tls(self) -> TLSClientConfig | None:
         """How the decoders connect to the shards: trusting `tls_ca`, presenting the servers'
         certificate (which mTLS shards then check against their client CA)."""
@@ -269,6 +297,9 @@ class Deployment:
         self.decoder_actors: dict[int, object] = {}
         self.decoders: dict[int, str] = {}
         """Decoder endpoints (host:port) clients use for Generate and Publish."""
+        self.gateway_actor = None
+        self.lmcache = ""
+        """The LMCache gateway's host:port (`remote_url: lm://...`), when one runs."""
         self.router_actors: dict[int, object] = {}
         self.routers: dict[int, str] = {}
         """Router endpoints: the front door to the decoders."""
@@ -304,6 +335,8 @@ class Deployment:
             self.start_decoder(index)
         for index in range(self.config.router_count):
             self.start_router(index)
+        if self.config.lmcache_port is not None:
+            self.start_gateway(metadata)
         self._write_state()
         return self
 
@@ -400,6 +433,23 @@ class Deployment:
         self._metrics_of(f"router-{index}", actor)
         return address
 
+    def start_gateway(self, metadata: Metadata) -> str:
+        """The LMCache gateway on this node, as the configured tenant (`lmcache` unless a
+        token is given: created, or its token rotated, since only the gateway uses it)."""
+        from cluster.gateway_actor import gateway_actor
+
+        token = self.config.lmcache_token
+        if token is None:
+            exists = metadata.tenant("lmcache") is not None
+            token = metadata.rotate_token("lmcache") if exists else metadata.add_tenant("lmcache")
+        stores = [self.endpoints[i] for i in sorted(self.endpoints)]
+        config = self.config.gateway(stores, token, self.metrics_token)
+        here = ray.get_runtime_context().get_node_id()
+        self.gateway_actor = gateway_actor(config, self._placement("lmcache-gateway", here))
+        self.lmcache = ray.get(self.gateway_actor.start.remote(), timeout=120)
+        self._metrics_of("lmcache-gateway", self.gateway_actor)
+        return self.lmcache
+
     def kill_decoder(self, index: int) -> None:
         """Kill a decoder's process abruptly (a crash); routers learn of it by themselves."""
         ray.kill(self.decoder_actors.pop(index))
@@ -445,6 +495,7 @@ class Deployment:
             "endpoints": [self.endpoints[i] for i in sorted(self.endpoints)],
             "decoders": [self.decoders[i] for i in sorted(self.decoders)],
             "routers": [self.routers[i] for i in sorted(self.routers)],
+            "lmcache": f"lm://{self.lmcache}" if self.lmcache else "",
             "redis_url": self.redis_url,
             "ray_address": self.config.address or "embedded",
             "detached": self.config.detach,
@@ -459,6 +510,13 @@ class Deployment:
         self._written = True
 
     def stop(self) -> None:
+        if self.gateway_actor is not None:
+            try:
+                ray.get(self.gateway_actor.stop.remote(), timeout=30)
+            except Exception as error:  # noqa: BLE001 - keep shutting the rest down
+                log.warning("the LMCache gateway did not stop cleanly: %s", error)
+            ray.kill(self.gateway_actor)
+            self.gateway_actor, self.lmcache = None, ""
         for index, actor in list(self.router_actors.items()):
             try:
                 ray.get(actor.stop.remote(), timeout=60)
@@ -529,7 +587,7 @@ def stop_detached(address: str) -> list[str]:
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == NAMESPACE]  # fmt: skip
-        first = ("router", "decoder")  # the front first, Redis last
+        first = (("router", "lmcache"), "decoder")  # the front first, Redis last
         order = sorted(
             names, key=lambda n: (*(not n.startswith(f) for f in first), n == "redis", n)
         )

@@ -177,6 +177,26 @@ def add_commands(sub) -> None:
         "else a random one, written to the state file)",
     )
     serve.add_argument(
+        "--lmcache-port",
+        type=int,
+        help="start an LMCache gateway (remote_url: lm://HOST:PORT, remote_serde: naive) on "
+        "this port, 0 for a free one (default: none)",
+    )
+    serve.add_argument(
+        "--lmcache-host",
+        default="127.0.0.1",
+        help="where the LMCache gateway binds (default loopback: LMCache's protocol has no "
+        "credentials, every connection acts as the gateway's tenant)",
+    )
+    serve.add_argument(
+        "--lmcache-token",
+        help="token of the tenant the gateway acts as (default: $VERICACHE_LMCACHE_TOKEN, "
+        "else the tenant 'lmcache', created or its token rotated)",
+    )
+    serve.add_argument(
+        "--lmcache-namespace", default="", help="the namespace the gateway stores into"
+    )
+    serve.add_argument(
         "--audit-rate",
         type=float,
         default=0.0,
@@ -343,6 +363,10 @@ def serve_config(ns):
             metrics_port=ns.metrics_port,
             metrics_token=ns.metrics_token,
             audit_rate=ns.audit_rate,
+            lmcache_port=ns.lmcache_port,
+            lmcache_host=ns.lmcache_host,
+            lmcache_token=ns.lmcache_token,
+            lmcache_namespace=ns.lmcache_namespace,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from error
@@ -376,6 +400,8 @@ def print_endpoints(deployment) -> None:
         print(f"  decoder  {endpoint}")
     for endpoint in deployment.routers.values():
         print(f"  router   {endpoint}   (vericache generate --endpoint {endpoint} ...)")
+    if deployment.lmcache:
+        print(f"  lmcache  lm://{deployment.lmcache}   (LMCache remote_url; remote_serde: naive)")
     for name, url in sorted(deployment.metrics.items()):
         print(f"  metrics  {url}   ({name}; bearer token in the state file)")
     from cluster.serve import state_file

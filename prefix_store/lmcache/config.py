@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefix_store.config import ClientConfig, MiB
+from prefix_store.metrics import MetricsConfig
 from prefix_store.tls import TLSClientConfig
 
 MAX_WIRE_LENGTH = (1 << 31) - 1
@@ -43,6 +44,8 @@ class GatewayConfig:
     """A connection with no frame for this long is closed."""
     stop_grace_s: float = 2.0
     """On stop, requests in progress get this long to finish."""
+    metrics: MetricsConfig | None = None
+    """Serve Prometheus metrics on their own port (`prefix_store.lmcache.metrics`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str) or not self.endpoints:

@@ -23,6 +23,7 @@ from prefix_store.lmcache.config import GatewayConfig
 from prefix_store.lmcache.errors import GatewayError
 from prefix_store.lmcache.objects import ObjectStore
 from prefix_store.lmcache.session import GatewayStats, Session
+from prefix_store.metrics import MetricsServer
 
 log = logging.getLogger("prefix_store.lmcache")
 
@@ -44,6 +45,13 @@ class LMCacheGateway:
         self._sessions: dict[socket.socket, tuple[threading.Thread, Session]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self.metrics = None
+        """Its Prometheus endpoint (`metrics_url`), when `config.metrics` asks for one."""
+        if config.metrics is not None:
+            from prefix_store.lmcache.metrics import registry
+
+            self.metrics = MetricsServer(registry(self), config.metrics, config.host)
+        self.metrics_url = self.metrics.url if self.metrics is not None else ""
 
     @property
     def address(self) -> str:
@@ -67,6 +75,8 @@ class LMCacheGateway:
             target=self._accept_loop, name="lmcache-gateway-accept", daemon=True
         )
         self._accepting.start()
+        if self.metrics is not None:
+            self.metrics.start()
         log.info("lmcache gateway serving on %s", self.address)
         return self.address
 
@@ -88,6 +98,8 @@ class LMCacheGateway:
             thread.join()
         if self.client is not None:
             self.client.close()
+        if self.metrics is not None:
+            self.metrics.stop()
 
     def __enter__(self) -> LMCacheGateway:
         self.start()

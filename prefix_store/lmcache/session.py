@@ -40,9 +40,9 @@ class GatewayStats:
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def count(self, event: str) -> None:
+    def count(self, event: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[event] += 1
+            self._counts[event] += n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -105,6 +105,7 @@ class Session:
         try:
             self.objects.put(header.key, bytes(buffer))
             self.stats.count("puts")
+            self.stats.count("bytes_in", header.length)
         except StoreError as error:
             self.stats.count(f"put_refused:{type(error).__name__}")
             log.warning("lmcache gateway: a PUT was not stored: %s", error)
@@ -117,6 +118,7 @@ class Session:
             return
         meta, payload = found
         self.stats.count("get_hits")
+        self.stats.count("bytes_out", len(payload))
         self._send(reply(ReturnCode.SUCCESS, len(payload), meta), payload)
 
     def exist(self, header: ClientHeader) -> None:
