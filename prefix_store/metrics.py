@@ -165,6 +165,20 @@ class MetricsServer:
         self._server.server_close()
 
 
+def metrics_endpoint(
+    registry: CollectorRegistry,
+    config: MetricsConfig | None,
+    host: str,
+    advertise_host: str | None = None,
+    tls: TLSConfig | None = None,
+) -> tuple[MetricsServer | None, str]:
+    """A component's endpoint and its URL: (None, "") when `config` asks for none."""
+    if config is None:
+        return None, ""
+    server = MetricsServer(registry, config, host, advertise_host, tls)
+    return server, server.url
+
+
 def _handler(registry: CollectorRegistry, config: MetricsConfig, slots: threading.Semaphore):
     expected = f"Bearer {config.token}".encode()
 

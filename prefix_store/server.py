@@ -44,7 +44,7 @@ from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallLimits, IdleStreams, TenantSlots
 from prefix_store.metadata import Metadata, Tenant
-from prefix_store.metrics import MetricsServer
+from prefix_store.metrics import metrics_endpoint
 from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
@@ -689,17 +689,10 @@ class ShardServer:
         self.server, self.port = create_server(self.servicer, config)
         self.address = f"{config.advertised}:{self.port}"
         self.data_address = data_address
-        self.metrics = None
-        """Its Prometheus endpoint (`metrics_url`), when `config.metrics` asks for one."""
-        if config.metrics is not None:
-            self.metrics = MetricsServer(
-                self.servicer.metrics.registry,
-                config.metrics,
-                config.host,
-                config.advertised,
-                config.tls,
-            )
-        self.metrics_url = self.metrics.url if self.metrics is not None else ""
+        self.metrics, self.metrics_url = metrics_endpoint(
+            self.servicer.metrics.registry, config.metrics, config.host, config.advertised,
+            config.tls,
+        )  # fmt: skip
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
 

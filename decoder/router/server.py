@@ -19,10 +19,8 @@ import functools
 import itertools
 import logging
 import secrets
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 from vericache.v1 import decoder_pb2 as dpb
 
@@ -31,12 +29,12 @@ from decoder.router.config import RouterConfig
 from decoder.router.members import Members
 from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
+from decoder.service.server import decoder_service
 from decoder.service.status import abort, code_of
 from prefix_store.auth import bearer_token
 from prefix_store.limits import CallLimits
-from prefix_store.metrics import MetricsServer, RpcMetrics
+from prefix_store.metrics import RpcMetrics, metrics_endpoint
 from prefix_store.server import parse
-from prefix_store.tls import bind
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
@@ -221,52 +219,20 @@ def _forwarded(context) -> tuple:
     return tuple((k, v) for k, v in context.invocation_metadata() if k == "authorization")
 
 
-def handlers(servicer: RouterServicer) -> grpc.GenericRpcHandler:
-    def serialize(message) -> bytes:
-        return message.SerializeToString()
-
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                servicer.Generate, response_serializer=serialize
-            ),
-            "Publish": grpc.unary_unary_rpc_method_handler(
-                servicer.Publish, response_serializer=serialize
-            ),
-            "Info": grpc.unary_unary_rpc_method_handler(
-                servicer.Info, response_serializer=serialize
-            ),
-        },
-    )
-
-
 class RouterServer:
     """A router serving gRPC (and its metrics, when configured)."""
 
     def __init__(self, config: RouterConfig, tokenizer=None) -> None:
         self.config = config
         self.servicer = RouterServicer(config, tokenizer or load_tokenizer(config.model))
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="route"),
-            options=[("grpc.max_receive_message_length", 64 << 20)],
+        self.server, self.port = decoder_service(
+            self.servicer, config.max_workers, config.host, config.port, config.tls, "route"
         )
-        self.server.add_generic_rpc_handlers((handlers(self.servicer),))
-        health_servicer = health.HealthServicer()
-        health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
-        self.port = bind(self.server, f"{config.host}:{config.port}", config.tls)
-        if self.port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"
-        self.metrics = None
-        if config.metrics is not None:
-            self.metrics = MetricsServer(
-                self.servicer.registry, config.metrics, config.host, config.advertise_host,
-                config.tls,
-            )  # fmt: skip
-        self.metrics_url = self.metrics.url if self.metrics is not None else ""
+        self.metrics, self.metrics_url = metrics_endpoint(
+            self.servicer.registry, config.metrics, config.host, config.advertise_host,
+            config.tls,
+        )  # fmt: skip
 
     def start(self) -> str:
         if self.metrics is not None:

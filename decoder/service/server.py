@@ -29,7 +29,7 @@ from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
 from prefix_store.limits import CallLimits
-from prefix_store.metrics import MetricsServer
+from prefix_store.metrics import metrics_endpoint
 from prefix_store.server import parse
 from prefix_store.tls import bind
 
@@ -133,44 +133,48 @@ def handlers(servicer: DecoderServicer) -> grpc.GenericRpcHandler:
     )
 
 
+def decoder_service(servicer, workers: int, host: str, port: int, tls, name: str):
+    """A gRPC server serving the Decoder service with `servicer` (a decoder's or a
+    router's: the same methods), health checking and reflection, bound to host:port (TLS
+    when `tls`); (server, the port bound)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
+        options=[("grpc.max_receive_message_length", 64 << 20)],
+    )
+    server.add_generic_rpc_handlers((handlers(servicer),))
+    health_servicer = health.HealthServicer()
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            dpb.DESCRIPTOR.services_by_name["Decoder"].full_name,
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    bound = bind(server, f"{host}:{port}", tls)
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, bound
+
+
 class DecoderServer:
     """A decoder worker serving gRPC."""
 
     def __init__(self, config: DecoderConfig, worker: DecoderWorker | None = None) -> None:
         self.config = config
         self.worker = worker or DecoderWorker(config)
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="dec"),
-            options=[("grpc.max_receive_message_length", 64 << 20)],
-        )
-        self.server.add_generic_rpc_handlers((handlers(DecoderServicer(self.worker)),))
-        health_servicer = health.HealthServicer()
-        health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
-        reflection.enable_server_reflection(
-            (
-                dpb.DESCRIPTOR.services_by_name["Decoder"].full_name,
-                health.SERVICE_NAME,
-                reflection.SERVICE_NAME,
-            ),
-            self.server,
-        )
-        self.port = bind(self.server, f"{config.host}:{config.port}", config.tls)
-        if self.port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self.server, self.port = decoder_service(
+            DecoderServicer(self.worker), config.max_workers, config.host, config.port,
+            config.tls, "dec",
+        )  # fmt: skip
         self.address = f"{config.advertise_host or config.host}:{self.port}"
-        self.metrics = None
-        """Its Prometheus endpoint (`metrics_url`), when `config.metrics` asks for one."""
-        if config.metrics is not None:
-            self.metrics = MetricsServer(
-                self.worker.metrics.registry,
-                config.metrics,
-                config.host,
-                config.advertise_host,
-                config.tls,
-            )
-        self.metrics_url = self.metrics.url if self.metrics is not None else ""
+        self.metrics, self.metrics_url = metrics_endpoint(
+            self.worker.metrics.registry, config.metrics, config.host, config.advertise_host,
+            config.tls,
+        )  # fmt: skip
 
     def start(self) -> str:
         if self.metrics is not None:

@@ -21,9 +21,10 @@ from prefix_store.client import StoreClient
 from prefix_store.errors import NotFound, StoreError, Unauthenticated
 from prefix_store.lmcache.config import GatewayConfig
 from prefix_store.lmcache.errors import GatewayError
+from prefix_store.lmcache.metrics import registry
 from prefix_store.lmcache.objects import ObjectStore
 from prefix_store.lmcache.session import GatewayStats, Session
-from prefix_store.metrics import MetricsServer
+from prefix_store.metrics import metrics_endpoint
 
 log = logging.getLogger("prefix_store.lmcache")
 
@@ -45,13 +46,8 @@ class LMCacheGateway:
         self._sessions: dict[socket.socket, tuple[threading.Thread, Session]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.metrics = None
-        """Its Prometheus endpoint (`metrics_url`), when `config.metrics` asks for one."""
-        if config.metrics is not None:
-            from prefix_store.lmcache.metrics import registry
-
-            self.metrics = MetricsServer(registry(self), config.metrics, config.host)
-        self.metrics_url = self.metrics.url if self.metrics is not None else ""
+        self.metrics, self.metrics_url = metrics_endpoint(registry(self), config.metrics,
+                                                          config.host)  # fmt: skip
 
     @property
     def address(self) -> str:
