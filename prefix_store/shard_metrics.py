@@ -8,6 +8,8 @@ evictions and faults, so that no figure is kept twice.
 
 from __future__ import annotations
 
+import weakref
+
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -39,11 +41,19 @@ class ShardMetrics:
 
 
 class _ShardCollector(Collector):
+    """Holds its servicer weakly (the servicer owns the registry: no cycle)."""
+
     def __init__(self, servicer, tenant: TenantLabels) -> None:
-        self.servicer = servicer
+        self._servicer = weakref.ref(servicer)
         self.tenant = tenant
 
+    @property
+    def servicer(self):
+        return self._servicer()
+
     def collect(self):
+        if self.servicer is None:
+            return
         stats = self.servicer.shard_stats()
         yield from self._tiers(stats)
         yield from self._counters(stats)

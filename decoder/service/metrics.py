@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -124,12 +125,18 @@ class DecoderMetrics:
 
 
 class _WorkerCollector(Collector):
+    """Holds its worker weakly: the worker owns the registry, and a cycle through it would
+    keep a closed worker's model alive until a full garbage collection."""
+
     def __init__(self, worker, rate: TokenRate) -> None:
-        self.worker = worker
+        self.worker = weakref.ref(worker)
         self.rate = rate
 
     def collect(self):
-        info = self.worker.info()
+        worker = self.worker()
+        if worker is None:
+            return
+        info = worker.info()
         figures = (
             ("kv_budget_bytes", "KV budget of the worker (0: unlimited).", info.kv_budget),
             ("kv_used_bytes", "KV bytes held (prefixes, tails, staging, resident).", info.kv_used),

@@ -34,6 +34,7 @@ import resource
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -116,10 +117,8 @@ class DecoderWorker:
         rc = RunnerConfig(threads=config.threads)
         if model is None:  # its own: loaded into the runner layer by layer, held once
             self.model, self.runner = load_runner(config.model, rc, draft=True)
-        else:  # a caller's (shared with others): packed, the caller's copy untouched
-            self.runner = ModelRunner(model.config, model.weights, rc)
-            self.runner.release_source_weights(draft=True)
-            self.model = model.without_weights()
+        else:  # a caller's, shared with others (tests): they hold the weights anyway
+            self.model, self.runner = model, ModelRunner(model.config, model.weights, rc)
         self.runner.ensure_exact_supported()
         self.layout = kv_layout(self.model.config, self.model.fingerprint)
         self.signer = self._signer(config)
@@ -140,10 +139,11 @@ class DecoderWorker:
         self._lock = threading.Lock()
         parse_compressor(config.default_compressor)  # fail at start-up, not per request
         self.metrics = DecoderMetrics(self, config.metrics.tenant_labels if config.metrics else 32)
-        self.auditor = Auditor(
+        audits, replay = self.metrics.audits, weakref.WeakMethod(self._replay)
+        self.auditor = Auditor(  # holds the worker weakly: no cycle keeps its model alive
             config.audit_rate,
-            self._replay,
-            lambda result: self.metrics.audits.labels(result).inc(),
+            lambda sample: replay()(sample),
+            lambda result: audits.labels(result).inc(),
             config.audit_queue,
         )
 

@@ -4,6 +4,8 @@ connections."""
 
 from __future__ import annotations
 
+import weakref
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -30,11 +32,16 @@ def registry(gateway) -> CollectorRegistry:
 
 
 class _GatewayCollector(Collector):
+    """Holds its gateway weakly (the gateway owns the registry: no cycle)."""
+
     def __init__(self, gateway) -> None:
-        self.gateway = gateway
+        self._gateway = weakref.ref(gateway)
 
     def collect(self):
-        counts = self.gateway.stats.snapshot()
+        gateway = self._gateway()
+        if gateway is None:
+            return
+        counts = gateway.stats.snapshot()
         requests = CounterMetricFamily(
             f"{PREFIX}_requests",
             "LMCache requests and connections, by command and result.",
@@ -53,5 +60,5 @@ class _GatewayCollector(Collector):
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=counts.get(key, 0))
         yield GaugeMetricFamily(
-            f"{PREFIX}_connections", "LMCache connections open.", value=self.gateway.connections()
+            f"{PREFIX}_connections", "LMCache connections open.", value=gateway.connections()
         )
