@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 
 from prefix_store.errors import NotFound, Unauthenticated
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.namespace import Namespace
 from prefix_store.shard import Allowance
+from prefix_store.throttle import AuthBounds, FailureThrottle
 
 BEARER = "bearer "
 
@@ -34,29 +36,55 @@ def namespace_of(tenant: Tenant, name: str) -> Namespace:
 
 class Authenticator:
     """Maps tokens to tenants through the metadata plane, caching answers briefly so that
-    a stream of RPCs does not cost a Redis round trip each."""
+    a stream of RPCs does not cost a Redis round trip each.
 
-    def __init__(self, metadata: Metadata, cache_s: float = 2.0) -> None:
+    A token it does not know costs a Redis GET only while the caller's peer has failures
+    left (`throttle.FailureThrottle`): beyond that it is refused with no I/O at all. A
+    remembered token whose answer is older than `cache_s` is asked about again, unthrottled
+    (a rotation or removal takes effect within `cache_s`)."""
+
+    def __init__(self, metadata: Metadata, bounds: AuthBounds | None = None) -> None:
         self.metadata = metadata
-        self.cache_s = cache_s
-        self._cache: dict[str, tuple[float, Tenant]] = {}
+        self.bounds = bounds or AuthBounds()
+        self.throttle = FailureThrottle(self.bounds)
+        self._known: OrderedDict[str, tuple[float, Tenant]] = OrderedDict()  # token: (until, .)
         self._lock = threading.Lock()
 
-    def tenant(self, invocation_metadata) -> Tenant:
+    def tenant(self, invocation_metadata, peer: str = "") -> Tenant:
+        """The caller's tenant; `peer` is its address (`server.peer_host`), whose failed
+        authentications are throttled. Unauthenticated, or LimitExceeded when throttled."""
         token = bearer_token(invocation_metadata)
-        now = time.monotonic()
         with self._lock:
-            hit = self._cache.get(token)
-        if hit is not None and hit[0] > now:
+            hit = self._known.get(token)
+            if hit is not None:
+                self._known.move_to_end(token)
+        if hit is not None and hit[0] > time.monotonic():
             return hit[1]
-        tenant = self.metadata.tenant_of_token(token)
+        key = None if hit is not None else self.throttle.take(peer)  # before any I/O
+        try:
+            tenant = self.metadata.tenant_of_token(token)
+        except BaseException:
+            if key is not None:
+                self.throttle.refund(key)  # not a failure of the caller's: no answer
+            raise
         if tenant is None:
+            self._forget(token)
             raise Unauthenticated("authorization: unknown token")
-        with self._lock:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[token] = (now + self.cache_s, tenant)
+        if key is not None:
+            self.throttle.refund(key)
+        self._remember(token, tenant)
         return tenant
+
+    def _remember(self, token: str, tenant: Tenant) -> None:
+        with self._lock:
+            self._known[token] = (time.monotonic() + self.bounds.cache_s, tenant)
+            self._known.move_to_end(token)
+            while len(self._known) > self.bounds.known_tokens:
+                self._known.popitem(last=False)
+
+    def _forget(self, token: str) -> None:
+        with self._lock:
+            self._known.pop(token, None)
 
 
 class QuotaGuard:

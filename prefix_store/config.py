@@ -8,6 +8,7 @@ from pathlib import Path
 from prefix_store.data_plane import DataPlaneLimits
 from prefix_store.limits import CallBounds
 from prefix_store.metrics import MetricsConfig
+from prefix_store.throttle import AuthBounds
 from prefix_store.tls import TLSClientConfig, TLSConfig
 
 MiB = 1 << 20
@@ -47,6 +48,8 @@ class ShardConfig:
     """gRPC server threads (concurrent RPCs)."""
     calls: CallBounds = field(default_factory=CallBounds)
     """Concurrent calls per tenant and in all (below `workers`), idle client streams."""
+    auth: AuthBounds = field(default_factory=AuthBounds)
+    """The token cache, and how many unknown tokens a peer may try (`throttle`)."""
     attention: bool = True
     """Serve Attend (near-data attention) with this process's fused attention kernel when it
     has one; False: advertise no kernel and refuse Attend (FAILED_PRECONDITION)."""

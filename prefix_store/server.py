@@ -168,7 +168,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.data_address = data_address
         self.metadata = metadata
         self.config = config
-        self.auth = Authenticator(metadata)
+        self.auth = Authenticator(metadata, config.auth)
         self.quota = QuotaGuard(metadata, config.shard_id)
         self.limits = CallLimits(config.calls)
         self.idle = IdleStreams(config.calls.stream_idle_s)
@@ -187,7 +187,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 
     def authenticate(self, context: grpc.ServicerContext) -> Call:
         """The call as its caller, from its metadata alone: no request byte is read first."""
-        return Call(context, self.auth.tenant(context.invocation_metadata()))
+        tenant = self.auth.tenant(context.invocation_metadata(), peer_host(context.peer()))
+        return Call(context, tenant)
 
     def request(self, method: str, raw, context):
         """`method`'s request parsed from `raw`; a client stream's messages parsed as read

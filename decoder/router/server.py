@@ -29,7 +29,7 @@ from decoder.router.config import RouterConfig
 from decoder.router.members import Members
 from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
-from decoder.service.server import decoder_service
+from decoder.service.server import decoder_service, peer
 from decoder.service.status import abort, code_of
 from prefix_store.auth import bearer_token
 from prefix_store.limits import CallLimits
@@ -75,7 +75,7 @@ def _handler(stream: bool):
                     with self.rpc.call(method.__name__, routed_code):
                         token = bearer_token(context.invocation_metadata())
                         with (
-                            self.clients.held(token) as client,
+                            self.clients.held(token, peer(context)) as client,
                             self.limits.admit(client.topology.tenant),
                         ):
                             yield from method(self, token, client, raw, context)
@@ -90,7 +90,7 @@ def _handler(stream: bool):
                 with self.rpc.call(method.__name__, routed_code):
                     token = bearer_token(context.invocation_metadata())
                     with (
-                        self.clients.held(token) as client,
+                        self.clients.held(token, peer(context)) as client,
                         self.limits.admit(client.topology.tenant),
                     ):
                         return method(self, token, client, raw, context)

@@ -1,8 +1,11 @@
 """The decoder's store clients: one per caller token, which decides what the caller may read.
 
-A token is known iff the store's Describe with it succeeds, and a `StoreClient` describes
-when it is built: so a client exists only for a known token, and a token the store refuses
-leaves nothing cached and nothing open (the client closes itself). A kept client's token
+A token is known iff the store's Describe with it succeeds. A token without a kept client
+is first checked over one connection per endpoint shared by all such checks (`TokenProbe`),
+throttled per caller address (`prefix_store.throttle`: an address that tried too many
+unknown tokens is refused before any I/O); only a token the store accepted gets a
+`StoreClient` (its own connections and Describe). So an unknown token costs at most one
+Describe on a shared connection, opens nothing and leaves nothing cached. A kept client's token
 is asked about again (Describe) when it was last accepted more than `recheck_s` ago, so a
 rotated or removed token is refused within that (plus the store's own token cache). At
 most `limit` clients are kept, the least recently used evicted first; an evicted client is
@@ -17,9 +20,40 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 
+from vericache.v1 import prefix_store_pb2 as pb
+
 from prefix_store.client import StoreClient
+from prefix_store.client.channels import Connections
+from prefix_store.client.retry import Attempts, retrying
 from prefix_store.config import ClientConfig
 from prefix_store.errors import Unauthenticated
+from prefix_store.throttle import AuthBounds, FailureThrottle
+from prefix_store.tls import make_channel
+
+
+class TokenProbe:
+    """Asks the store whether a token is known (Describe with it) over one channel per
+    endpoint, shared by every check: nothing is opened or kept per token. Thread-safe."""
+
+    def __init__(self, endpoints: Sequence[str], config: ClientConfig) -> None:
+        self.endpoints = list(endpoints)
+        self.config = config
+        self._conn = Connections(config, "", make_channel)
+
+    def check(self, token: str) -> None:
+        """Returns when the store knows `token`; raises its Unauthenticated otherwise
+        (Unavailable when no shard answers)."""
+        metadata, deadline = (("authorization", f"Bearer {token}"),), self.config.timeout_s
+
+        def describe(address: str):
+            stub = self._conn.stub(address)
+            return stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=deadline)
+
+        retrying(Attempts(self.config, self.endpoints), describe)
+
+    def close(self) -> None:
+        for channel in self._conn.take():
+            channel.close()
 
 
 class StoreClients:
@@ -32,9 +66,13 @@ class StoreClients:
         limit: int,
         recheck_s: float,
         in_use: Callable[[], Collection[StoreClient]] = tuple,
+        bounds: AuthBounds | None = None,
     ) -> None:
-        """in_use: the clients that cached state (prefixes) reads through: not closed."""
+        """in_use: the clients that cached state (prefixes) reads through: not closed.
+        bounds: how many unknown tokens one caller address may try (`failures_*`)."""
         self.endpoints = list(endpoints)
+        self.probe = TokenProbe(endpoints, config)
+        self.throttle = FailureThrottle(bounds or AuthBounds())
         self.config = config
         self.limit = limit
         self.recheck_s = recheck_s
@@ -50,16 +88,17 @@ class StoreClients:
         with self._lock:
             return len(self._kept)
 
-    def get(self, token: str) -> StoreClient:
-        """The caller's client, built (so its token checked) on first use. Raises the
-        store's Unauthenticated for an unknown token, Unavailable when the store cannot say."""
-        with self.held(token) as client:
+    def get(self, token: str, peer: str = "") -> StoreClient:
+        """The caller's client, built on first use once its token is checked. Raises the
+        store's Unauthenticated for an unknown token, Unavailable when the store cannot say,
+        LimitExceeded when the caller's address `peer` tried too many unknown tokens."""
+        with self.held(token, peer) as client:
             return client
 
     @contextmanager
-    def held(self, token: str) -> Iterator[StoreClient]:
+    def held(self, token: str, peer: str = "") -> Iterator[StoreClient]:
         """`get`, and the client is not closed before the block ends (a call's duration)."""
-        client = self._acquire(token)
+        client = self._acquire(token, peer)
         try:
             yield client
         finally:
@@ -73,8 +112,9 @@ class StoreClients:
             self._accepted.clear()
         for client in clients:
             client.close()
+        self.probe.close()
 
-    def _acquire(self, token: str) -> StoreClient:
+    def _acquire(self, token: str, peer: str) -> StoreClient:
         with self._lock:
             client = self._take(token)
             if client is not None:
@@ -82,7 +122,8 @@ class StoreClients:
                 stale = self._accepted[client] + self.recheck_s < time.monotonic()
         if client is not None:
             return self._recheck(token, client) if stale else client
-        built = StoreClient(self.endpoints, token, self.config)  # Describe: raises if unknown
+        self._check(token, peer)
+        built = StoreClient(self.endpoints, token, self.config)
         with self._lock:
             client = self._take(token)
             if client is None:
@@ -93,6 +134,18 @@ class StoreClients:
         if built is not None:
             built.close()  # another call built this token's client first
         return client
+
+    def _check(self, token: str, peer: str) -> None:
+        """The store knows `token` (asked on the shared probe, throttled per `peer`)."""
+        key = self.throttle.take(peer)  # LimitExceeded before any I/O
+        try:
+            self.probe.check(token)
+        except Unauthenticated:
+            raise  # a failure: its share of the peer's budget stays spent
+        except BaseException:
+            self.throttle.refund(key)
+            raise
+        self.throttle.refund(key)
 
     def _recheck(self, token: str, client: StoreClient) -> StoreClient:
         """(Held.) The client, once the store accepts its token again; else it is let go."""

@@ -30,11 +30,16 @@ from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
 from prefix_store.limits import CallLimits
 from prefix_store.metrics import metrics_endpoint
-from prefix_store.server import parse
+from prefix_store.server import parse, peer_host
 from prefix_store.tls import bind
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
+
+
+def peer(context) -> str:
+    """The caller's address (its unknown tokens are throttled per address)."""
+    return peer_host(context.peer())
 
 
 def unary(message_class):
@@ -47,7 +52,8 @@ def unary(message_class):
             try:
                 with self.worker.metrics.rpc.call(method.__name__, code_of):
                     token = bearer_token(context.invocation_metadata())
-                    with self.worker.authenticate(token) as client, self.admit(client):
+                    caller = self.worker.authenticate(token, peer(context))
+                    with caller as client, self.admit(client):
                         return method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001 - every failure gets a precise status
                 abort(context, error, f"Decoder.{method.__name__}")
@@ -66,7 +72,8 @@ def streaming(message_class):
             try:
                 with self.worker.metrics.rpc.call(method.__name__, code_of):
                     token = bearer_token(context.invocation_metadata())
-                    with self.worker.authenticate(token) as client, self.admit(client):
+                    caller = self.worker.authenticate(token, peer(context))
+                    with caller as client, self.admit(client):
                         yield from method(self, token, parse(message_class, raw), context)
             except Exception as error:  # noqa: BLE001
                 abort(context, error, f"Decoder.{method.__name__}")

@@ -420,10 +420,11 @@ class DecoderWorker:
         store's Unauthenticated for a token it does not know (then nothing is kept)."""
         return self._clients.get(token)
 
-    def authenticate(self, token: str) -> AbstractContextManager[StoreClient]:
+    def authenticate(self, token: str, peer: str = "") -> AbstractContextManager[StoreClient]:
         """`client(token)`, kept open until the block (a call) ends: a call authenticates
-        with it before its request is read."""
-        return self._clients.held(token)
+        with it before its request is read. `peer`: the caller's address, whose unknown
+        tokens are throttled (`StoreClients`)."""
+        return self._clients.held(token, peer)
 
     def cached_clients(self) -> int:
         """Store clients kept for later calls (at most `config.store_clients` when idle)."""

@@ -158,3 +158,73 @@ def test_redact_url_masks_the_password_only():
     )
     assert redact_url("redis://pw@[::1]:5") == "redis://***@[::1]:5"
     assert redact_url("redis://localhost:6379/0") == "redis://localhost:6379/0"
+
+
+def redis_gets(url: str) -> int:
+    """GETs the redis-server at `url` has served (INFO commandstats)."""
+    import redis
+
+    return redis.Redis.from_url(url).info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+
+
+def test_unknown_tokens_from_one_peer_cost_a_bounded_number_of_redis_gets(store, metadata):
+    """1,000 distinct unknown tokens from one address: Redis is asked at most the peer's
+    burst plus its refill (not once per token); the rest are refused before any I/O with
+    RESOURCE_EXHAUSTED naming the limit; a token the shard knows keeps working."""
+    from prefix_store.throttle import AuthBounds
+
+    bounds = AuthBounds(failures_burst=10, failures_per_s=1.0)
+    store.start(auth=bounds)
+    token = metadata.add_tenant("alice")
+    with grpc.insecure_channel(store.endpoints[0]) as channel:
+        assert raw_call(channel, "Describe", b"", auth(token))[0] == grpc.StatusCode.OK
+        before, started = redis_gets(store.redis_url), time.monotonic()
+        answers = [raw_call(channel, "Describe", b"", auth(f"vc_junk-{i}")) for i in range(1000)]
+        gets = redis_gets(store.redis_url) - before
+        allowed = bounds.failures_burst + bounds.failures_per_s * (time.monotonic() - started)
+        assert gets <= allowed + 1, (gets, allowed)
+        codes = [code for code, _ in answers]
+        assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert codes.count(grpc.StatusCode.UNAUTHENTICATED) <= allowed + 1
+        refused = next(d for c, d in answers if c == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "too many unknown tokens from this peer (at most 10 at once" in refused
+        assert raw_call(channel, "Describe", b"", auth(token))[0] == grpc.StatusCode.OK
+
+
+def eventually(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_known_token_is_rechecked_unthrottled_and_rotation_still_applies(store, metadata):
+    """A throttled peer's known token is asked about again when its cache ends (so rotation
+    takes effect within cache_s) without being refused for the peer's failures."""
+    from prefix_store.throttle import AuthBounds
+
+    store.start(auth=AuthBounds(cache_s=0.2, failures_burst=1, failures_per_s=0.01))
+    token = metadata.add_tenant("alice")
+    with grpc.insecure_channel(store.endpoints[0]) as channel:
+        assert raw_call(channel, "Describe", b"", auth(token))[0] == grpc.StatusCode.OK
+        assert raw_call(channel, "Describe", b"", auth("junk-1"))[0] == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+        refused = raw_call(channel, "Describe", b"", auth("junk-2"))
+        assert refused[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+
+        def rechecked() -> bool:  # the known token, past cache_s: Redis is asked again
+            before = redis_gets(store.redis_url)
+            assert raw_call(channel, "Describe", b"", auth(token))[0] == grpc.StatusCode.OK
+            return redis_gets(store.redis_url) > before
+
+        assert eventually(rechecked)
+        metadata.rotate_token("alice")
+        assert eventually(
+            lambda: (
+                raw_call(channel, "Describe", b"", auth(token))[0]
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
+        )

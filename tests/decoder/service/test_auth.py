@@ -152,16 +152,49 @@ def test_unknown_tokens_leave_no_client_and_the_kept_ones_are_bounded(
                     code, _ = raw_call(channel, name, b"", auth(f"junk-{i}"))
                     assert code == UNAUTHENTICATED
             assert server.worker.cached_clients() == 0
-            assert eventually(lambda: connections_to(port) == 0), connections_to(port)
+            # one shared connection checks unknown tokens: none is opened per token
+            assert eventually(lambda: connections_to(port) == 1), connections_to(port)
             tokens = [metadata.add_tenant(f"tenant-{i}") for i in range(5)]
             for token in tokens + tokens:  # the second round rebuilds the evicted ones
                 assert raw_call(channel, "Info", b"", auth(token))[0] == grpc.StatusCode.OK
                 assert server.worker.cached_clients() <= 2
             assert server.worker.cached_clients() == 2
-            assert eventually(lambda: connections_to(port) == 2), connections_to(port)
+            assert eventually(lambda: connections_to(port) == 3), connections_to(port)
     finally:
         server.stop(0)
     assert eventually(lambda: connections_to(port) == 0), connections_to(port)
+
+
+def redis_gets(url: str) -> int:
+    import redis
+
+    return redis.Redis.from_url(url).info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+
+
+def test_unknown_tokens_from_one_caller_cost_a_bounded_number_of_store_checks(
+    decoder, store, metadata
+):
+    """1,000 distinct unknown tokens from one address: the decoder asks the store (one
+    Describe, one Redis GET there) for at most its per-address burst plus refill, over one
+    shared connection; the rest are RESOURCE_EXHAUSTED naming the limit, before any I/O.
+    A known caller from the same address is still served."""
+    token = metadata.add_tenant("alice")
+    bounds = decoder.worker._clients.throttle.bounds
+    with grpc.insecure_channel(decoder.address) as channel:
+        assert raw_call(channel, "Info", b"", auth(token))[0] == grpc.StatusCode.OK
+        before, started = redis_gets(store.redis_url), time.monotonic()
+        answers = [raw_call(channel, "Info", b"", auth(f"vc_junk-{i}")) for i in range(1000)]
+        gets = redis_gets(store.redis_url) - before
+        allowed = bounds.failures_burst + bounds.failures_per_s * (time.monotonic() - started)
+        assert gets <= allowed + 1, (gets, allowed)
+        codes = [code for code, _ in answers]
+        assert set(codes) == {UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        refused = next(d for c, d in answers if c == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert refused.startswith("authorization: too many unknown tokens from this peer")
+        assert raw_call(channel, "Info", b"", auth(token))[0] == grpc.StatusCode.OK
+    assert decoder.worker.cached_clients() == 1
+    port = int(store.endpoints[0].rsplit(":", 1)[1])
+    assert connections_to(port) <= 2  # alice's client and the shared check
 
 
 def test_an_evicted_client_stays_open_while_a_cached_prefix_reads_through_it(
