@@ -315,9 +315,10 @@ def _fingerprint(hf_config: dict, files: list[Path]) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes, cached in the folder by (name, size, mtime, inode)."""
+    """SHA-256 of a file's bytes, cached in the folder by (name, size, mtime, ctime, inode):
+    a rewrite in place that restores size and mtime still changes ctime."""
     st = path.stat()
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     cache_file = path.parent / FINGERPRINT_CACHE
     try:
         cache = json.loads(cache_file.read_text())

@@ -232,11 +232,13 @@ class DecoderWorker:
 
     @staticmethod
     def _sampling(s: dpb.Sampling) -> SamplingParams:
+        """The request's sampling; top_p 0 is proto3's unset (off). Anything outside a
+        field's range (NaN included) is INVALID_ARGUMENT naming it, never quietly off."""
         try:
             return SamplingParams(
                 s.temperature,
                 s.top_k,
-                s.top_p if 0 < s.top_p <= 1 else 1.0,
+                s.top_p if s.top_p != 0 else 1.0,
                 s.seed if s.HasField("seed") else None,
             )
         except ValueError as error:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 
@@ -149,3 +151,26 @@ def test_the_fingerprint_covers_every_weight_byte(tiny_hf_folder, tmp_path):
     data[-3] ^= 0x01
     weights.write_bytes(bytes(data))
     assert load_model(folder).fingerprint == base
+
+
+def test_a_weight_file_rewritten_in_place_with_its_old_mtime_is_hashed_again(tmp_path):
+    """Same name, size, inode and mtime (restored with utime), other bytes: the cached
+    digest must not be reused (the change of ctime tells)."""
+    from decoder.loader import _file_digest
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"a" * 4096)
+    first = _file_digest(path)
+    st = path.stat()
+    with open(path, "r+b") as f:  # in place: the inode stays
+        f.write(b"b")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    while path.stat().st_ctime_ns == st.st_ctime_ns:  # the same coarse clock tick
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
+    )
+    assert _file_digest(path) == hashlib.sha256(b"b" + b"a" * 4095).hexdigest() != first

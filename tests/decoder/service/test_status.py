@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import re
 import textwrap
 
@@ -154,3 +155,33 @@ def test_an_internal_failure_names_its_request_id_in_trailing_metadata(
     assert error.code() == grpc.StatusCode.INTERNAL
     assert re.fullmatch(INTERNAL, error.details())
     assert dict(error.trailing_metadata())[REQUEST_ID] in error.details()
+
+
+@pytest.mark.parametrize(
+    "sampling, named",
+    [
+        ({"temperature": 0.8, "top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"temperature": 0.8, "top_p": -0.25}, "top_p must be in (0, 1], got -0.25"),
+        ({"temperature": 0.8, "top_p": math.nan}, "top_p must be in (0, 1], got nan"),
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"temperature": math.nan}, "temperature must be >= 0, got nan"),
+    ],
+)
+def test_sampling_out_of_range_is_invalid_argument_naming_the_field(
+    decoder, metadata, sampling, named
+):
+    """Not quietly treated as off: the caller asked for something this decoder won't do."""
+    request = dpb.GenerateRequest(
+        token_ids=dpb.TokenIds(ids=[5, 6, 7]), max_new_tokens=2, sampling=dpb.Sampling(**sampling)
+    )
+    token = metadata.add_tenant("sampler")
+    with grpc.insecure_channel(decoder.address) as channel:
+        call = channel.unary_stream(
+            f"/{dpb.DESCRIPTOR.services_by_name['Decoder'].full_name}/Generate",
+            request_serializer=dpb.GenerateRequest.SerializeToString,
+            response_deserializer=dpb.GenerateEvent.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            list(call(request, metadata=(("authorization", f"Bearer {token}"),), timeout=30))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == f"sampling: {named}"
