@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from cluster import decoder_cli, node_cli, store_cli, tls_cli
 from cluster.config_file import ConfigError
+from cluster.paths import PRIVATE_UMASK
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 
@@ -351,6 +353,7 @@ def run_demo(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.umask(PRIVATE_UMASK)  # state, keys, tokens, blobs: the service user's alone
     try:
         parser = build_parser()
         argv = list(sys.argv[1:] if argv is None else argv)

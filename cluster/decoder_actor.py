@@ -12,6 +12,7 @@ import os
 
 import ray
 
+from cluster.paths import PRIVATE_UMASK
 from cluster.roles import DECODER_RESOURCE  # noqa: E402,F401 - re-exported
 from decoder.service.config import DecoderConfig
 
@@ -19,6 +20,7 @@ from decoder.service.config import DecoderConfig
 @ray.remote(max_restarts=0, max_concurrency=4)
 class DecoderActor:
     def __init__(self, config: DecoderConfig) -> None:
+        os.umask(PRIVATE_UMASK)  # its files (blobs, caches) are the service user's alone
         from decoder.service.server import DecoderServer
 
         if config.host == "0.0.0.0" and config.advertise_host is None:

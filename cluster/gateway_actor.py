@@ -11,12 +11,14 @@ import os
 
 import ray
 
+from cluster.paths import PRIVATE_UMASK
 from prefix_store.lmcache import GatewayConfig
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
 class GatewayActor:
     def __init__(self, config: GatewayConfig) -> None:
+        os.umask(PRIVATE_UMASK)  # its files (blobs, caches) are the service user's alone
         from prefix_store.lmcache import LMCacheGateway
 
         self.gateway = LMCacheGateway(config)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster import ray_auth
+from cluster.paths import make_private, private_umask, provenance_key_file
 from cluster.roles import DECODER_RESOURCE, STORAGE_RESOURCE
 from prefix_store.errors import InvalidArgument
 
@@ -57,6 +59,9 @@ class NodeConfig:
     dashboard_host: str = "127.0.0.1"
     """Head: the address Ray's dashboard (port 8265) binds. Loopback by default: whoever
     reaches it can submit a Ray job, i.e. run code on the cluster and read everything."""
+    ray_token_file: str | None = None
+    """The file holding Ray's token (0600); None: $VERICACHE_RAY_TOKEN_FILE, else
+    ~/.vericache/ray_token. The head creates it when absent; a worker requires it."""
 
     def __post_init__(self) -> None:
         if self.head == (self.address is not None):
@@ -110,6 +115,11 @@ def add_commands(sub) -> None:
         help="head: address the Ray dashboard binds (default 127.0.0.1; it runs jobs for "
         "anyone who reaches it: use `ray dashboard CLUSTER.yaml` to forward it over SSH)",
     )
+    start.add_argument(
+        "--ray-token-file",
+        help="file holding Ray's token (default ~/.vericache/ray_token; the head creates it, "
+        "ray up copies it to the workers)",
+    )
     start.set_defaults(parse=parse_start, run=run_start)
 
 
@@ -128,6 +138,7 @@ def parse_start(ns) -> NodeConfig:
             partition_s=ns.partition_s,
             autoscaling_config=ns.autoscaling_config,
             dashboard_host=ns.dashboard_host,
+            ray_token_file=ns.ray_token_file,
         )
     except ValueError as error:
         raise InvalidArgument(str(error)) from None
@@ -186,13 +197,16 @@ HEALTH_CHECK_PERIOD_MS = 3000
 
 
 def ray_environment(config: NodeConfig) -> dict[str, str]:
-    """How long Ray tolerates a partition: a worker's raylet waits `partition_s` for the
-    head; the head's GCS health checks (one every 3 s) declare a node dead after as long.
-    On premises, also the autoscaler that starts every listed worker host."""
+    """Ray's token authentication, always on; how long Ray tolerates a partition: a
+    worker's raylet waits `partition_s` for the head; the head's GCS health checks (one
+    every 3 s) declare a node dead after as long. On premises, also the autoscaler that
+    starts every listed worker host."""
+    env = ray_auth.auth_environment(ray_auth.token_file(config.ray_token_file))
     if not config.head:
-        return {"RAY_gcs_rpc_server_reconnect_timeout_s": str(math.ceil(config.partition_s))}
+        env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(math.ceil(config.partition_s))
+        return env
     failures = max(1, math.ceil(config.partition_s * 1000 / HEALTH_CHECK_PERIOD_MS))
-    env = {
+    env |= {
         "RAY_health_check_period_ms": str(HEALTH_CHECK_PERIOD_MS),
         "RAY_health_check_timeout_ms": str(HEALTH_CHECK_PERIOD_MS),
         "RAY_health_check_failure_threshold": str(failures),
@@ -214,8 +228,27 @@ def provider_type(autoscaling_config: str | None) -> str | None:
     return (yaml.safe_load(path.read_text()) or {}).get("provider", {}).get("type")
 
 
+def provision_secrets(config: NodeConfig) -> None:
+    """The head makes the Ray token and the provenance key when absent (0600, in 0700
+    directories); every host then requires the token. `ray up` copies both to the workers."""
+    token = ray_auth.token_file(config.ray_token_file)
+    if not config.head:
+        ray_auth.require_token(token)
+        for directory in (token.parent, provenance_key_file().parent):
+            if directory.is_dir():
+                make_private(directory)  # made by `ray up`'s copy with the shell's umask
+        return
+    from prefix_store.provenance import load_or_create_key
+
+    with private_umask():
+        ray_auth.provision_token(token)
+        load_or_create_key(provenance_key_file())
+
+
 def run_start(config: NodeConfig) -> int:
     ip = node_ip(config)
     command = ray_start_command(config, ip)
+    env = {**os.environ, **ray_environment(config)}
+    provision_secrets(config)
     print("vericache node:", " ".join(command[1:]), flush=True)
-    return subprocess.run(command, env={**os.environ, **ray_environment(config)}).returncode
+    return subprocess.run(command, env=env).returncode

@@ -11,12 +11,14 @@ import os
 
 import ray
 
+from cluster.paths import PRIVATE_UMASK
 from decoder.router.config import RouterConfig
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
 class RouterActor:
     def __init__(self, config: RouterConfig) -> None:
+        os.umask(PRIVATE_UMASK)  # its files (blobs, caches) are the service user's alone
         from decoder.router.server import RouterServer
 
         if config.host == "0.0.0.0" and config.advertise_host is None:

@@ -34,7 +34,9 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster import ray_auth
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
+from cluster.paths import home, make_private, private_umask, provenance_key_file, state_file
 from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.router_actor import router_actor
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
@@ -51,14 +53,6 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "vericache"
 """Ray namespace of a deployment's actors (named `redis`, `shard-i`, `decoder-i`)."""
-
-
-def home() -> Path:
-    return Path(os.environ.get("VERICACHE_HOME", Path.home() / ".vericache"))
-
-
-def state_file() -> Path:
-    return home() / "cluster.json"
 
 
 def read_state() -> dict:
@@ -200,13 +194,10 @@ class ServeConfig:
         )
 
     def decoder(
-        self,
-        index: int,
-        store_endpoints: list[str],
-        provenance_key: bytes | None = None,
-        metrics_token: str = "",
+        self, index: int, store_endpoints: list[str], metrics_token: str = ""
     ) -> DecoderConfig:
-        """Decoder `index`; `provenance_key`: the deployment's private key."""
+        """Decoder `index`; it reads the deployment's private key from the state directory
+        on its own host (the key is never an actor argument)."""
         return DecoderConfig(
             store_endpoints=tuple(store_endpoints),
             host=self.host,
@@ -218,7 +209,7 @@ class ServeConfig:
             resident_prefixes=self.resident_prefixes,
             placement=self.placement,
             threads=self.decoder_threads,
-            provenance_key=provenance_key,
+            provenance_key_file=provenance_key_file(Path(self.state_dir)),
             client=ClientConfig(tls=self.store_client_tls()),
             tls=self.tls,
             metrics=(
@@ -303,7 +294,10 @@ class Deployment:
         self.router_actors: dict[int, object] = {}
         self.routers: dict[int, str] = {}
         """Router endpoints: the front door to the decoders."""
-        self.signer = load_or_create_key(Path(config.state_dir) / "provenance.key")
+        with private_umask():
+            make_private(home())
+            make_private(Path(config.state_dir))
+            self.signer = load_or_create_key(provenance_key_file(Path(config.state_dir)))
         """The deployment's provenance key (docs/DESIGN.md section 8): decoders sign the KV
         they publish with it, shards check signatures with its public half."""
         self.metrics_token = config.metrics_token or secrets.token_urlsafe(24)
@@ -341,10 +335,16 @@ class Deployment:
         return self
 
     def _init_ray(self) -> None:
+        """Ray with its token authentication on (cluster/ray_auth.py): embedded, this
+        process is the head and makes the token file; on a cluster it must exist here."""
         if ray.is_initialized():
             return
+        token = ray_auth.token_file()
         if self.config.address is None:
+            with private_umask():
+                ray_auth.use_token(ray_auth.provision_token(token))
             ray.init(
+                address="local",  # its own instance, never another Ray found on this host
                 num_cpus=max(2, os.cpu_count() or 2),
                 resources={STORAGE_RESOURCE: self.config.shards},
                 include_dashboard=False,
@@ -353,6 +353,7 @@ class Deployment:
                 namespace=NAMESPACE,
             )
         else:
+            ray_auth.use_token(ray_auth.require_token(token))
             ray.init(address=self.config.address, log_to_driver=False, namespace=NAMESPACE)
         self._owns_ray = True
 
@@ -414,7 +415,7 @@ class Deployment:
         if nodes:
             placement["resources"] = {DECODER_RESOURCE: 1}
         gpus = any(n["Resources"].get("GPU", 0) >= 1 for n in nodes or alive_nodes())
-        config = self.config.decoder(index, stores, self.signer.private_bytes, self.metrics_token)
+        config = self.config.decoder(index, stores, self.metrics_token)
         actor = decoder_actor(config, gpus, placement)
         address = ray.get(actor.start.remote(), timeout=300)
         self.decoder_actors[index], self.decoders[index] = actor, address
@@ -583,6 +584,7 @@ def spread(nodes: list[dict], index: int, role: str) -> str:
 def stop_detached(address: str) -> list[str]:
     """Stop a detached deployment on the cluster at `address`: decoders, then shards
     (gracefully: memory tiers persisted), then Redis. Returns the names stopped."""
+    ray_auth.use_token(ray_auth.require_token(ray_auth.token_file()))
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -11,6 +11,7 @@ import os
 
 import ray
 
+from cluster.paths import PRIVATE_UMASK
 from cluster.roles import STORAGE_RESOURCE  # noqa: E402,F401 - re-exported
 from prefix_store import faults
 from prefix_store.config import ShardConfig
@@ -20,6 +21,7 @@ from prefix_store.server import ShardServer
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
 class ShardActor:
     def __init__(self, config: ShardConfig, redis_url: str) -> None:
+        os.umask(PRIVATE_UMASK)  # its files (blobs, caches) are the service user's alone
         if config.host == "0.0.0.0" and config.advertise_host is None:
             config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
         self.server = ShardServer(config, redis_url)

@@ -491,8 +491,10 @@ class LocalCluster:
 
     def alive_nodes(self) -> int:
         probe = "import ray; ray.init(address='auto'); print(sum(n['Alive'] for n in ray.nodes()))"
+        home = "${VERICACHE_HOME:-$HOME/.vericache}"
+        token = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={home}/ray_token"
         result = self.bed.hosts[self.head].ssh(
-            f'source ~/.bashrc; python -c "{probe}"', check=False
+            f'source ~/.bashrc; {token} python -c "{probe}"', check=False
         )
         lines = result.stdout.strip().splitlines()
         return int(lines[-1]) if result.returncode == 0 and lines and lines[-1].isdigit() else 0

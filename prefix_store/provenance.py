@@ -144,6 +144,22 @@ def load_or_create_key(path: Path) -> Signer:
     return Signer(path.read_bytes())
 
 
+def read_key(path: Path) -> Signer:
+    """The deployment's key from `path` on this host; a clear error when it is missing
+    (`ray up` copies it from the head) or readable by others than its owner."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"provenance key {path} missing on this host: copy the head's "
+            "(`ray up` does, with cluster_synced_files)"
+        ) from None
+    if mode & 0o077:
+        raise PermissionError(f"provenance key {path} is readable by others: chmod 600 it")
+    return Signer(path.read_bytes())
+
+
 def check_chunk(
     verifier: Verifier | None, layout: KVLayout, tokens_digest: bytes, proof: Proof
 ) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from decoder.config import Placement
 from prefix_store.config import ClientConfig
@@ -79,7 +80,12 @@ class DecoderConfig:
     """The deployment's private provenance key (32 bytes, `prefix_store.provenance`): this
     worker signs the KV it publishes with it and verifies only against KV it signed. None:
     a key of this worker's own, so that it trusts only what it published itself (other
-    workers recompute such prefixes); `vericache serve` gives every worker the deployment's."""
+    workers recompute such prefixes). In-process callers only: a deployment names the file
+    instead (`provenance_key_file`), so that the key is never an actor argument."""
+    provenance_key_file: Path | None = None
+    """The file holding the deployment's private provenance key (0600), read on the
+    worker's own host when it starts (`vericache serve` names `<state dir>/provenance.key`,
+    which `ray up` copies to every host); overrides `provenance_key`."""
     metrics: MetricsConfig | None = None
     """Serve Prometheus metrics on their own port (`decoder.service.metrics`); None: none."""
     audit_rate: float = 0.0

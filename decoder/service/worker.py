@@ -62,7 +62,7 @@ from decoder.service.status import BadRequest
 from decoder.store_source import StoreKVSource, kv_layout
 from prefix_store.client import CachedPrefix, StoreClient
 from prefix_store.errors import StoreError
-from prefix_store.provenance import Signer, trusted_prefix
+from prefix_store.provenance import Signer, read_key, trusted_prefix
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -149,6 +149,8 @@ class DecoderWorker:
 
     @staticmethod
     def _signer(config: DecoderConfig) -> Signer:
+        if config.provenance_key_file is not None:
+            return read_key(config.provenance_key_file)
         if config.provenance_key is not None:
             return Signer(config.provenance_key)
         log.warning(

@@ -135,7 +135,8 @@ class DiskTier:
         """(file name, reason) of every file the start-up scan could not use (removed)."""
         self.write_errors = 0
         if capacity > 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.root.chmod(0o700)  # blobs' headers hold tenants' token ids
             self._scan()
 
     # ---- start-up ----------------------------------------------------------------------
@@ -302,7 +303,7 @@ class DiskTier:
     def _write_file(write: Write) -> None:
         tmp = write.path.with_suffix(".tmp")
         try:
-            with tmp.open("wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(MAGIC + struct.pack("<I", len(write.header)) + write.header)
                 for segment in write.blob.data:
                     f.write(segment)

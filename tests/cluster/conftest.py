@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,28 @@ def service(redis_server, tmp_path_factory, request):
         **overrides,
     ) as deployment:
         yield deployment
+
+
+DRIVER = """
+import sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False)
+except Exception as error:
+    print("refused:", type(error).__name__)
+else:
+    print("connected:", int(ray.cluster_resources().get("CPU", 0)))
+"""
+
+
+def driver(address: str, env: dict[str, str], home: Path) -> str:
+    """What a fresh Ray driver process with `env` (and its own empty home: no token file
+    of Ray's own) gets from the cluster at `address`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, address],
+        env={**clean, "HOME": str(home), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.stdout.strip().splitlines()[-1]

@@ -5,14 +5,23 @@ test_multihost.py does."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from cluster import ray_auth
 from cluster.cli import build_parser, main
-from cluster.node_cli import NodeConfig, ray_environment, ray_start_command
+from cluster.node_cli import NodeConfig, provision_secrets, ray_environment, ray_start_command
+from tests.cluster.conftest import driver
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTS = {"storage": ("10.0.0.11", "10.0.0.12"), "decoder": ("10.0.0.13",)}
@@ -53,7 +62,7 @@ def test_head_starts_the_autoscaler_and_tolerates_partitions(tmp_path):
         NodeConfig(head=True, autoscaling_config=str(cloud))
     )
     worker = NodeConfig(address="10.0.0.10:6379", partition_s=90)
-    assert ray_environment(worker) == {"RAY_gcs_rpc_server_reconnect_timeout_s": "90"}
+    assert ray_environment(worker)["RAY_gcs_rpc_server_reconnect_timeout_s"] == "90"
 
 
 def head_command(*flags: str) -> list[str]:
@@ -103,3 +112,80 @@ def test_ray_up_configs_are_valid_ray_cluster_configs(name):
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     assert sum("vericache node start" in c for c in starts) == 2
     assert not any("dashboard-host" in c for c in starts)  # the dashboard stays on loopback
+    # Ray's token (and the provenance key) go from the head to every worker host
+    assert {"~/.vericache/ray_token", "~/.vericache/state/provenance.key"} <= set(
+        config["cluster_synced_files"]
+    )
+
+
+def test_every_host_runs_ray_with_token_authentication(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path))
+    token = str(tmp_path / "ray_token")
+    for config in (NodeConfig(head=True), NodeConfig(address="10.0.0.10:6379")):
+        env = ray_environment(config)
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == token
+    given = NodeConfig(head=True, ray_token_file="/etc/vericache/ray_token")
+    assert ray_environment(given)["RAY_AUTH_TOKEN_PATH"] == "/etc/vericache/ray_token"
+
+
+def test_the_head_makes_the_token_and_key_private_and_keeps_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path / "home"))
+    provision_secrets(NodeConfig(head=True))
+    token, key = tmp_path / "home" / "ray_token", tmp_path / "home" / "state" / "provenance.key"
+    first = token.read_text()
+    assert len(first) == 64 and key.stat().st_size == 32
+    for path, mode in ((token, 0o600), (key, 0o600), (token.parent, 0o700), (key.parent, 0o700)):
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path
+    token.chmod(0o644)
+    provision_secrets(NodeConfig(head=True))  # a restart keeps them, tightened
+    assert token.read_text() == first and stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
+def test_a_worker_without_the_token_does_not_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path))
+    assert main(["node", "start", "--address", "127.0.0.1:6379", "--ip", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Ray token file" in err and "missing" in err and err.count("\n") == 0
+
+
+def test_a_head_started_by_node_start_refuses_a_driver_without_the_token(tmp_path, monkeypatch):
+    """The head's real `ray start` with the command and environment `node start` builds: a
+    driver with no token (nor any ~/.ray/auth_token) is refused; one with it connects."""
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path / "home"))
+    config = NodeConfig(head=True, port=free_port(), num_cpus=1, object_store_bytes=80_000_000)
+    provision_secrets(config)
+    scratch = Path(tempfile.mkdtemp(prefix="vcray", dir="/tmp"))  # Ray's socket paths are short
+    command = ray_start_command(config, None) + [
+        "--block", f"--temp-dir={scratch}", "--include-dashboard=false",
+    ]  # fmt: skip
+    head = subprocess.Popen(
+        command,
+        env={**os.environ, **ray_environment(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        address = f"127.0.0.1:{config.port}"
+        token = ray_auth.token_file()
+        assert wait_connected(address, ray_auth.auth_environment(token), tmp_path)
+        assert driver(address, {}, tmp_path) == "refused: ConnectionError"
+    finally:
+        head.terminate()
+        subprocess.run(["pkill", "-9", "-f", str(scratch)], check=False)
+        head.wait(timeout=30)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def wait_connected(address: str, env: dict, home: Path, timeout_s: float = 90) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if driver(address, env, home).startswith("connected"):
+            return True
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

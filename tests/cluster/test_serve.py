@@ -1,25 +1,29 @@
 """The store deployed as Ray actors (a real local Ray): shards crash mid-fetch and the
 client continues from a replica; a restarted shard finds its disk tier; the operator
-commands (tenant, namespace, status) against the deployment's Redis."""
+commands (tenant, namespace, status) against the deployment's Redis; what the deployment
+leaves reachable (Ray only with its token) and readable (its files: the owner alone)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import stat
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
+from cluster import ray_auth
 from cluster.cli import main
 from prefix_store.client import StoreClient, sync
 from prefix_store.client.sync import receive
 from prefix_store.config import ClientConfig, MiB
 from prefix_store.layout import KVLayout
-from tests.cluster.conftest import deployed
+from tests.cluster.conftest import deployed, driver
 
 LAYOUT = KVLayout("test-model@1", "float32", num_layers=8, num_kv_heads=4, head_dim=64)
 TOKENS = list(range(7, 7 + 4096 + 100))
@@ -179,3 +183,29 @@ def test_operator_commands(deployment, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "live (from the metrics endpoints)" in out and "every 0.5 s" in out
     assert main(["status", "--watch", "0"]) == 2
+
+
+def test_embedded_ray_requires_the_token_from_a_private_file(deployment, tmp_path):
+    """Whoever reaches the embedded Ray's ports cannot run code without the token, which
+    lives in a 0600 file of the deployment's home (never ~/.ray/auth_token at 0644)."""
+    token = ray_auth.token_file()
+    assert token.parent == Path(os.environ["VERICACHE_HOME"])
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    address = ray.get_runtime_context().gcs_address
+    assert driver(address, {}, tmp_path) == "refused: ConnectionError"
+    wrong = tmp_path / "wrong"
+    wrong.write_text("0" * 64)
+    assert driver(address, ray_auth.auth_environment(wrong), tmp_path).startswith("refused")
+    assert driver(address, ray_auth.auth_environment(token), tmp_path).startswith("connected")
+
+
+def test_state_keys_and_shard_directories_are_the_owners_alone(deployment):
+    """The state file (the Redis password), the provenance key, the Ray token and every
+    directory under the deployment's home (shards' disk tiers included): 0600 files, 0700
+    directories. (Blob files: tests/prefix_store/tiers/test_disk.py.)"""
+    home = Path(os.environ["VERICACHE_HOME"])
+    found = {p.relative_to(home).as_posix() for p in home.rglob("*")}
+    assert {"cluster.json", "ray_token", "state/provenance.key", "state/shards/shard-0"} <= found
+    for path in [home, *home.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o077 == 0, f"{path.relative_to(home.parent)} is {oct(mode)}"

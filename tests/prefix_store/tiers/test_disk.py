@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import threading
@@ -59,6 +60,22 @@ def test_a_spilled_blob_is_fsynced_renamed_and_its_directory_fsynced(tmp_path, m
     assert events[0][1].endswith(".tmp") and events[1][1] == str(final)
     assert events[2][1] == str(tmp_path / "s")  # the directory entry is durable too
     assert_consistent(shard)
+
+
+def test_blobs_and_their_directory_are_readable_by_the_owner_alone(tmp_path):
+    """A blob's header holds its tenant's token ids: 0600 whatever the umask, in a 0700
+    directory (tightened when it exists wider)."""
+    (tmp_path / "s").mkdir(mode=0o755)
+    previous = os.umask(0o022)
+    try:
+        shard = make(tmp_path, memory_chunks=1, disk_chunks=4)
+        put(shard, PROMPTS[0])
+        put(shard, PROMPTS[1])  # spills the first
+    finally:
+        os.umask(previous)
+    (blob,) = (tmp_path / "s").glob("*.blob")
+    assert stat.S_IMODE(blob.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "s").stat().st_mode) == 0o700
 
 
 def write_raw(path, header: dict, data: bytes) -> None:
