@@ -15,6 +15,7 @@ is for operators: shard-wide and per-tenant figures, never any tenant's data.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import socket
@@ -57,9 +58,10 @@ class MetricsConfig:
     tenant_labels: int = 32
     """Distinct tenant label values; later tenants are counted under `OTHER`."""
     max_connections: int = 8
-    """Scrapes served at once; more get 503."""
+    """Connections served at once, each on its own thread; a further one is refused when
+    it is accepted (503 when it can be told, then closed), before any thread is taken."""
     timeout_s: float = 5.0
-    """A connection that sends no complete request within this is closed."""
+    """A connection's whole life (TLS handshake, request, reply): a slower one is cut."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -68,6 +70,8 @@ class MetricsConfig:
             raise ValueError(f"metrics port must be in [0, 65536), got {self.port}")
         if self.tenant_labels < 1:
             raise ValueError("tenant_labels: must be >= 1")
+        if self.max_connections < 1 or self.timeout_s <= 0:
+            raise ValueError("metrics: max_connections must be >= 1 and timeout_s > 0")
 
 
 class TenantLabels:
@@ -125,6 +129,66 @@ class RpcMetrics:
             self.seconds.labels(method).observe(time.perf_counter() - start)
 
 
+BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """An HTTP server whose thread per connection is taken only within `slots`: the limit
+    applies in the accept loop, so a connection over it is refused (a best-effort 503 on
+    plain HTTP, then closed; counted in `refused`) before any thread exists. A connection
+    that is not done within `deadline_s` in all is cut (its socket shut down), however
+    slowly it trickles bytes in or reads the reply."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, slots: int, deadline_s: float) -> None:
+        super().__init__(address, handler, bind_and_activate=False)
+        self.slots = threading.BoundedSemaphore(slots)
+        self.deadline_s = deadline_s
+        self.refused = 0
+        """Connections refused at accept (a figure for tests and operators)."""
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            _refuse(request)
+            return self.shutdown_request(request)
+        try:
+            super().process_request(request, client_address)  # its thread
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        cut = threading.Timer(self.deadline_s, _cut, (request,))
+        cut.daemon = True
+        cut.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            cut.cancel()
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a cut or broken connection: nothing to log (and no traceback on stderr)
+
+
+def _refuse(request: socket.socket) -> None:
+    """Tell a plain-HTTP caller it was turned away, without ever waiting for it."""
+    if isinstance(request, ssl.SSLSocket):
+        return  # no handshake was made: nothing can be said
+    with contextlib.suppress(OSError):
+        request.setblocking(False)
+        request.send(BUSY)
+
+
+def _cut(request: socket.socket) -> None:
+    """End a connection past its deadline: the socket itself is shut down (under TLS too),
+    so the thread's blocked read or write returns at once."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(request, socket.SHUT_RDWR)
+
+
 class MetricsServer:
     """Serves a registry at http(s)://host:port/metrics to callers with the token."""
 
@@ -137,9 +201,10 @@ class MetricsServer:
         tls: TLSConfig | None = None,
     ) -> None:
         self.config = config
-        handler = _handler(registry, config, threading.BoundedSemaphore(config.max_connections))
-        self._server = ThreadingHTTPServer((host, config.port), handler, bind_and_activate=False)
-        self._server.daemon_threads = True
+        self._server = BoundedHTTPServer(
+            (host, config.port), _handler(registry, config), config.max_connections,
+            config.timeout_s,
+        )  # fmt: skip
         self._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._server.server_bind()
         self._server.server_activate()
@@ -154,6 +219,11 @@ class MetricsServer:
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="metrics", daemon=True
         )
+
+    @property
+    def refused(self) -> int:
+        """Connections refused at accept (over `max_connections`)."""
+        return self._server.refused
 
     def start(self) -> str:
         self._thread.start()
@@ -179,7 +249,7 @@ def metrics_endpoint(
     return server, server.url
 
 
-def _handler(registry: CollectorRegistry, config: MetricsConfig, slots: threading.Semaphore):
+def _handler(registry: CollectorRegistry, config: MetricsConfig):
     expected = f"Bearer {config.token}".encode()
 
     class Handler(BaseHTTPRequestHandler):
@@ -194,14 +264,6 @@ def _handler(registry: CollectorRegistry, config: MetricsConfig, slots: threadin
             super().setup()
 
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
-            if not slots.acquire(blocking=False):
-                return self._reply(503, b"too many scrapes at once\n")
-            try:
-                self._serve()
-            finally:
-                slots.release()
-
-        def _serve(self) -> None:
             if self.path.split("?", 1)[0] != PATH:
                 return self._reply(404, b"not found; metrics are at /metrics\n")
             given = (self.headers.get("Authorization") or "").encode()

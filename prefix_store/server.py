@@ -19,7 +19,7 @@ from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
@@ -41,6 +41,7 @@ from prefix_store.data_plane import (
     token_key,
 )
 from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
+from prefix_store.health import HealthServicer
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallLimits, IdleStreams, TenantSlots
 from prefix_store.metadata import Metadata, Tenant
@@ -653,9 +654,7 @@ def create_server(servicer: PrefixStoreServicer, config: ShardConfig) -> tuple[g
         options=server_options(config),
     )
     server.add_generic_rpc_handlers((handlers(servicer),))
-    health_servicer = health.HealthServicer()
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer = HealthServicer((SERVICE, ""))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

@@ -19,7 +19,7 @@ import logging
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from vericache.v1 import decoder_pb2 as dpb
 
@@ -28,6 +28,7 @@ from decoder.service.status import abort, code_of
 from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
+from prefix_store.health import HealthServicer
 from prefix_store.limits import CallLimits
 from prefix_store.metrics import metrics_endpoint
 from prefix_store.server import parse, peer_host
@@ -149,9 +150,7 @@ def decoder_service(servicer, workers: int, host: str, port: int, tls, name: str
         options=[("grpc.max_receive_message_length", 64 << 20)],
     )
     server.add_generic_rpc_handlers((handlers(servicer),))
-    health_servicer = health.HealthServicer()
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer = HealthServicer((SERVICE, ""))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

@@ -3,16 +3,20 @@ shards; authenticated; bounded tenant labels; no secret in any label or value.""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store.metrics import OTHER, MetricsConfig, TenantLabels, scrape
+from prefix_store.metrics import OTHER, MetricsConfig, MetricsServer, TenantLabels, scrape
 from tests.prefix_store.conftest import LAYOUT, random_kv
 
 TOKEN = "metrics-secret-token"
@@ -113,3 +117,70 @@ def test_a_metrics_config_needs_a_token():
 def test_tenant_labels_keep_the_first_tenants():
     labels = TenantLabels(2)
     assert [labels(t) for t in ("a", "b", "c", "a", "d", "b")] == ["a", "b", OTHER, "a", OTHER, "b"]
+
+
+def eventually(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def endpoint(request):
+    """A metrics endpoint serving 2 connections at once, each for at most the test's
+    `deadline_s` (its parameter)."""
+    config = MetricsConfig(token=TOKEN, max_connections=2, timeout_s=request.param)
+    server = MetricsServer(CollectorRegistry(), config)
+    server.start()
+    yield server
+    server.stop()
+
+
+def slow_client(server: MetricsServer) -> socket.socket:
+    """A connection that has sent half a request line and then nothing."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"GET /metr")
+    return sock
+
+
+@pytest.mark.parametrize("endpoint", [60.0], indirect=True)
+def test_connections_over_the_limit_are_refused_at_accept_without_a_thread(endpoint):
+    idle = threading.active_count()
+    held = [slow_client(endpoint) for _ in range(2)]
+    threads = idle + 4  # each held connection: its thread and its deadline's timer
+    assert eventually(lambda: threading.active_count() == threads)
+    extra = [socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(20)]
+    assert eventually(lambda: endpoint.refused == 20), endpoint.refused
+    assert threading.active_count() <= threads  # no thread was taken for any of them
+    for sock in extra:
+        sock.settimeout(5)
+        assert sock.recv(100).startswith(b"HTTP/1.0 503")
+        sock.close()
+    for sock in held:
+        sock.close()
+
+
+@pytest.mark.parametrize("endpoint", [1.0], indirect=True)
+def test_a_slow_client_is_cut_at_its_deadline_and_its_slot_comes_back(endpoint):
+    """A client trickling a byte every 50 ms never lets a per-read timeout fire; the
+    connection's deadline (1 s in all) cuts it anyway."""
+    held = slow_client(endpoint)
+    trickler = slow_client(endpoint)
+    trickler.settimeout(0.05)
+
+    def cut() -> bool:
+        try:
+            trickler.sendall(b"x")
+            return trickler.recv(100) == b""
+        except TimeoutError:
+            return False
+        except OSError:
+            return True  # reset by the server
+
+    assert eventually(cut, timeout_s=10)
+    held.close()
+    assert eventually(lambda: scrape(endpoint.url, TOKEN) is not None)
+    assert "python_info" not in scrape(endpoint.url, TOKEN)  # an empty registry of its own
