@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 from cluster import decoder_cli, node_cli, store_cli, tls_cli
 from cluster.config_file import ConfigError
 from cluster.paths import PRIVATE_UMASK
+from cluster.secret_flags import add_secret, resolve_secrets
 from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--endpoint", help="a decoder's host:port: generate on the service (remote prefix KV)"
     )
-    gen.add_argument("--token", help="with --endpoint: tenant token (default: $VERICACHE_TOKEN)")
+    add_secret(gen, "token", "with --endpoint: tenant token")
     gen.add_argument(
         "--namespace", default="", help="with --endpoint: shared namespace to look prefixes up in"
     )
@@ -359,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         store_cli.apply_config(parser, argv)
         ns = parser.parse_args(argv)
+        resolve_secrets(ns)
         args = ns.parse(ns)
         return ns.run(args)
     except (UsageError, ConfigError) as e:

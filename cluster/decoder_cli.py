@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from cluster import tls_cli
+from cluster.secret_flags import add_secret
 
 
 def add_commands(sub) -> None:
@@ -19,7 +20,7 @@ def add_commands(sub) -> None:
     source = pub.add_mutually_exclusive_group(required=True)
     source.add_argument("--file", type=Path, help="the prefix text, from a UTF-8 file")
     source.add_argument("--text", help="the prefix text")
-    pub.add_argument("--token", help="tenant token (default: $VERICACHE_TOKEN)")
+    add_secret(pub, "token", "tenant token")
     pub.add_argument("--shared", default="", metavar="NAMESPACE", help="a shared namespace")
     pub.add_argument(
         "--compressor",
@@ -38,7 +39,7 @@ def add_commands(sub) -> None:
 def token_of(ns, usage_error) -> str:
     token = ns.token or os.environ.get("VERICACHE_TOKEN")
     if not token:
-        raise usage_error("--token is required (or set VERICACHE_TOKEN)")
+        raise usage_error("--token is required: set $VERICACHE_TOKEN or use --token-file")
     return token
 
 

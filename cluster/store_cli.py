@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster import tls_cli
+from cluster.secret_flags import add_secret
 from decoder.config import PLACEMENTS
 from prefix_store.errors import InvalidArgument
 
@@ -30,6 +31,9 @@ UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
+
+
+REDIS_HELP = "the deployment's Redis (none: the service started on this machine)"
 
 
 def parse_bytes(text: str) -> int:
@@ -55,9 +59,7 @@ def add_commands(sub) -> None:
         help="Ray cluster address ('auto' on a cluster node); default: embedded on this machine",
     )
     serve.add_argument("--shards", type=int, default=2, help="store shards (default 2)")
-    serve.add_argument(
-        "--redis-url", help="existing Redis; default: start one (on this node, for a cluster)"
-    )
+    add_secret(serve, "redis-url", "existing Redis; none: start one (on this node, for a cluster)")
     serve.add_argument(
         "--redis-port", type=int, default=0, help="port of the Redis serve starts (default: free)"
     )
@@ -171,10 +173,10 @@ def add_commands(sub) -> None:
         action="store_false",
         help="serve no Prometheus metrics endpoints",
     )
-    serve.add_argument(
-        "--metrics-token",
-        help="bearer token the metrics endpoints require (default: $VERICACHE_METRICS_TOKEN, "
-        "else a random one, written to the state file)",
+    add_secret(
+        serve,
+        "metrics-token",
+        "bearer token the metrics endpoints require (none: a random one, in the state file)",
     )
     serve.add_argument(
         "--lmcache-port",
@@ -188,10 +190,11 @@ def add_commands(sub) -> None:
         help="where the LMCache gateway binds (default loopback: LMCache's protocol has no "
         "credentials, every connection acts as the gateway's tenant)",
     )
-    serve.add_argument(
-        "--lmcache-token",
-        help="token of the tenant the gateway acts as (default: $VERICACHE_LMCACHE_TOKEN, "
-        "else the tenant 'lmcache', created or its token rotated)",
+    add_secret(
+        serve,
+        "lmcache-token",
+        "token of the tenant the gateway acts as (none: the tenant 'lmcache', created or its "
+        "token rotated)",
     )
     serve.add_argument(
         "--lmcache-namespace", default="", help="the namespace the gateway stores into"
@@ -211,7 +214,7 @@ def add_commands(sub) -> None:
     stop.set_defaults(parse=lambda ns: ns, run=run_stop)
 
     status = sub.add_parser("status", help="shards, capacity, usage per tenant, hit rates")
-    status.add_argument("--redis-url", help="default: the service started on this machine")
+    add_secret(status, "redis-url", "the deployment's Redis (none: this machine's service)")
     status.add_argument("--json", action="store_true")
     status.add_argument(
         "--watch",
@@ -235,22 +238,22 @@ def add_commands(sub) -> None:
         default=8 << 30,  # prefix_store.metadata.DEFAULT_QUOTA (not imported: redis)
         help="bytes the tenant may store, replicas included (default 8GiB; 0 = unlimited)",
     )
-    add.add_argument("--redis-url")
+    add_secret(add, "redis-url", REDIS_HELP)
     add.set_defaults(parse=lambda ns: ns, run=run_tenant_add)
     rotate = tenant.add_parser(
         "rotate", help="print a new bearer token for a tenant; the old one stops working"
     )
     rotate.add_argument("name")
-    rotate.add_argument("--redis-url")
+    add_secret(rotate, "redis-url", REDIS_HELP)
     rotate.set_defaults(parse=lambda ns: ns, run=run_tenant_rotate)
     remove = tenant.add_parser(
         "remove", help="delete a tenant: its token and memberships stop working"
     )
     remove.add_argument("name")
-    remove.add_argument("--redis-url")
+    add_secret(remove, "redis-url", REDIS_HELP)
     remove.set_defaults(parse=lambda ns: ns, run=run_tenant_remove)
     lst = tenant.add_parser("list", help="tenants with quotas, usage and namespaces")
-    lst.add_argument("--redis-url")
+    add_secret(lst, "redis-url", REDIS_HELP)
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(parse=lambda ns: ns, run=run_tenant_list)
 
@@ -264,15 +267,15 @@ def add_commands(sub) -> None:
     )
     nadd.add_argument("--reader", action="append", default=[], help="a tenant that may only read")
     nadd.add_argument("--owner", help="the tenant that may also delete what others stored")
-    nadd.add_argument("--redis-url")
+    add_secret(nadd, "redis-url", REDIS_HELP)
     nadd.set_defaults(parse=lambda ns: ns, run=run_namespace_add)
     nrm = space.add_parser("remove-member", help="take a tenant out of a shared namespace")
     nrm.add_argument("name")
     nrm.add_argument("--member", required=True, help="the tenant to remove")
-    nrm.add_argument("--redis-url")
+    add_secret(nrm, "redis-url", REDIS_HELP)
     nrm.set_defaults(parse=lambda ns: ns, run=run_namespace_remove_member)
     nlist = space.add_parser("list", help="shared namespaces and their members")
-    nlist.add_argument("--redis-url")
+    add_secret(nlist, "redis-url", REDIS_HELP)
     nlist.set_defaults(parse=lambda ns: ns, run=run_namespace_list)
 
 

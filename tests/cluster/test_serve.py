@@ -209,3 +209,25 @@ def test_state_keys_and_shard_directories_are_the_owners_alone(deployment):
     for path in [home, *home.rglob("*")]:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o077 == 0, f"{path.relative_to(home.parent)} is {oct(mode)}"
+
+
+def test_no_process_carries_a_secret_in_its_arguments(deployment):
+    """What `ps` shows every local user: no process of the deployment (Ray's, the actors',
+    Redis) has the Redis password, the metrics token or the Ray token in its arguments."""
+    password = deployment.redis_url.split("@")[0].rsplit(":", 1)[1]
+    secrets = {
+        "redis password": password,
+        "metrics token": deployment.metrics_token,
+        "ray token": ray_auth.token_file().read_text().strip(),
+    }
+    assert all(len(value) >= 16 for value in secrets.values())
+    seen = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (FileNotFoundError, PermissionError, NotADirectoryError, ProcessLookupError):
+            continue
+        seen += "ray" in cmdline
+        for name, value in secrets.items():
+            assert value not in cmdline, f"the {name} is in the arguments of process {proc.name}"
+    assert seen >= 3  # the deployment's Ray processes were looked at
