@@ -1,0 +1,39 @@
+"""A router under hostile input: every method of its Decoder service, learned from its own
+reflection, with garbage and wild messages from no, a wrong and a valid token, answers
+with a precise status (never UNKNOWN or INTERNAL) and keeps routing afterwards."""
+
+from __future__ import annotations
+
+from decoder.router import RouterConfig, RouterServer
+from decoder.router.server import load_tokenizer
+from decoder.service.client import DecoderClient
+from prefix_store.config import ClientConfig
+from tests.decoder.service.conftest import serve
+from tests.hostile import sweep
+from tests.prefix_store.conftest import Store
+
+
+def test_every_router_method_survives_hostile_input(
+    metadata, redis_server, tmp_path, builtin_model
+):
+    store = Store(redis_server.url, tmp_path)
+    store.start()
+    decoder = serve(store.endpoints, builtin_model, worker_id="decoder-0")
+    config = RouterConfig(
+        tuple(store.endpoints),
+        decoders=((decoder.address, ""),),
+        client=ClientConfig(timeout_s=10, retries=2, backoff_s=0.05),
+        poll_s=0.2,
+    )
+    router = RouterServer(config, tokenizer=load_tokenizer(None))
+    router.start()
+    token = metadata.add_tenant("hostile-router")
+    try:
+        assert sweep(router.address, "vericache.v1.Decoder", ["", "junk", token], count=4) == []
+        with DecoderClient(router.address, token) as client:
+            reply = client.generate(text="def add(a, b):", max_new_tokens=4)
+            assert len(reply.tokens) == 4
+    finally:
+        router.stop(0)
+        decoder.stop(0)
+        store.close()
