@@ -32,16 +32,22 @@ class GatewayConfig:
     """0 picks a free port."""
     tls: TLSClientConfig | None = None
     """How to reach TLS shards (None: in the clear)."""
-    max_connections: int = 16
+    allowed_uids: tuple[int, ...] = ()
+    """Local users, besides the gateway's own (`os.getuid()`), whose processes may connect.
+    Every accepted connection's peer is looked up (`peers.peer_uid`: /proc/net/tcp{,6});
+    one of another user, or not on this host, is closed at once and counted."""
+    max_connections: int = 8
     """Open LMCache connections; a further one is closed at once."""
     max_object_bytes: int = 256 * MiB
-    """Largest PUT payload; a larger declared length closes the connection. At most
-    `max_connections * max_object_bytes` are buffered at once."""
+    """Largest PUT payload; a larger declared length closes the connection. A payload is
+    buffered as its bytes arrive (`session.READ_PIECE` at a time), never allocated whole
+    from the declared length."""
     io_timeout_s: float = 30.0
     """A frame whose bytes stall this long (mid-header, mid-payload, a reply not taken)
     closes its connection."""
-    idle_timeout_s: float = 3600.0
-    """A connection with no frame for this long is closed."""
+    idle_timeout_s: float = 300.0
+    """A connection with no frame for this long is closed (LMCache's connector does not
+    reconnect: keep it above the engine's longest quiet spell)."""
     stop_grace_s: float = 2.0
     """On stop, requests in progress get this long to finish."""
     metrics: MetricsConfig | None = None
@@ -54,6 +60,8 @@ class GatewayConfig:
             raise ValueError("token: required (the tenant the gateway acts as)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: {self.port} is not in [0, 65535]")
+        if any(uid < 0 for uid in self.allowed_uids):
+            raise ValueError(f"allowed_uids: {self.allowed_uids} holds a negative uid")
         if self.max_connections < 1:
             raise ValueError(f"max_connections: {self.max_connections} is not >= 1")
         if not 1 <= self.max_object_bytes <= MAX_WIRE_LENGTH:

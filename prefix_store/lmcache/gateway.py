@@ -1,8 +1,11 @@
 """The LMCache gateway: a TCP server speaking LMCache's `lm://` protocol, storing through
 the prefix store as one configured tenant (`GatewayConfig`).
 
-A thread accepts connections (at most `max_connections` open; a further one is closed at
-once) and each connection is served by its own thread (`session.Session`). The store is
+A thread accepts connections and each admitted one is served by its own thread
+(`session.Session`). LMCache's protocol carries no credentials, so a connection is admitted
+only from a process of this host's gateway user or of `allowed_uids` (`peers.peer_uid`),
+and only while fewer than `max_connections` are open; any other is closed at once and
+counted (`connections_refused_uid`, `connections_refused`). The store is
 reached through one `StoreClient` (thread-safe) whose objects live in the configured
 namespace (`objects.ObjectStore`): replication, checksums, quotas and authentication are
 the store's own.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -23,6 +27,7 @@ from prefix_store.lmcache.config import GatewayConfig
 from prefix_store.lmcache.errors import GatewayError
 from prefix_store.lmcache.metrics import registry
 from prefix_store.lmcache.objects import ObjectStore
+from prefix_store.lmcache.peers import peer_uid
 from prefix_store.lmcache.session import GatewayStats, Session
 from prefix_store.metrics import metrics_endpoint
 
@@ -46,6 +51,8 @@ class LMCacheGateway:
         self._sessions: dict[socket.socket, tuple[threading.Thread, Session]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._uids = frozenset((os.getuid(), *config.allowed_uids))
+        """Users whose processes may connect."""
         self.metrics, self.metrics_url = metrics_endpoint(registry(self), config.metrics,
                                                           config.host)  # fmt: skip
 
@@ -130,6 +137,12 @@ class LMCacheGateway:
             self._listener.close()
 
     def _admit(self, sock: socket.socket) -> None:
+        uid = peer_uid(sock)
+        if uid not in self._uids:
+            self.stats.count("connections_refused_uid")
+            log.warning("lmcache gateway: closing a connection of uid %s (not allowed)", uid)
+            sock.close()
+            return
         with self._lock:
             if len(self._sessions) >= self.config.max_connections:
                 self.stats.count("connections_refused")

@@ -43,16 +43,25 @@ class Envelope:
         return cls.HEAD.size + len(key.encode())
 
     @classmethod
+    def head(cls, key: str, meta: ObjectMeta, length: int) -> bytearray:
+        """The envelope of an object of `length` payload bytes; the payload is appended to
+        it as it arrives."""
+        raw_key = key.encode()
+        return bytearray(
+            cls.HEAD.pack(
+                cls.MAGIC, cls.VERSION, len(raw_key), meta.fmt, meta.dtype, *meta.shape, length
+            )
+            + raw_key
+        )
+
+    @classmethod
     def buffer(cls, key: str, meta: ObjectMeta, length: int) -> tuple[bytearray, memoryview]:
         """A buffer for the whole stored object, its envelope written; and the view of it
         the payload goes into (`length` bytes)."""
-        raw_key = key.encode()
-        head = cls.HEAD.pack(
-            cls.MAGIC, cls.VERSION, len(raw_key), meta.fmt, meta.dtype, *meta.shape, length
-        )
-        buffer = bytearray(len(head) + len(raw_key) + length)
-        buffer[: len(head) + len(raw_key)] = head + raw_key
-        return buffer, memoryview(buffer)[len(head) + len(raw_key) :]
+        buffer = cls.head(key, meta, length)
+        start = len(buffer)
+        buffer.extend(bytes(length))
+        return buffer, memoryview(buffer)[start:]
 
     @classmethod
     def open(cls, key: str, data: bytes) -> tuple[ObjectMeta, memoryview] | None:

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -353,3 +354,65 @@ def test_has_artifact_probes_without_fetching_sync_and_async(store, metadata):
             await aio.close()
 
     assert asyncio.run(probe()) == (True, False)
+
+
+NOBODY = 65534
+AS_NOBODY = r"""exec 3<>"/dev/tcp/$1/$2" && printf "$3" >&3 && timeout 10 head -c 1 <&3 | wc -c"""
+"""Connect with bash (any user may run it), send a frame, count the reply's first byte."""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_a_process_of_another_user_is_refused_and_counted(store, metadata, gateway_for):
+    """A HEALTH frame from uid 65534 gets no answer: the connection is closed at once;
+    the gateway's own user is served, and a configured uid is admitted."""
+    import subprocess
+
+    store.start()
+    token = metadata.add_tenant("alice")
+    gateway, lmc = gateway_for(token)
+
+    def as_nobody(address: str) -> str:
+        host, port = address.rsplit(":", 1)
+        frame = "".join(f"\\x{byte:02x}" for byte in client_header(Command.HEALTH, "health"))
+        args = ["/bin/bash", "-c", AS_NOBODY, "as-nobody", host, port, frame]
+        got = subprocess.run(args, user=NOBODY, cwd="/", capture_output=True, text=True, timeout=60)
+        return {"0": "closed", "1": "answered"}.get(got.stdout.strip(), got.stderr)
+
+    assert as_nobody(gateway.address) == "closed"
+    assert gateway.stats.snapshot()["connections_refused_uid"] == 1
+    assert not lmc.exists(key(1))  # the gateway's own user is served
+    allowed, _ = gateway_for(token, allowed_uids=(NOBODY,))
+    assert as_nobody(allowed.address) == "answered"
+    assert "connections_refused_uid" not in allowed.stats.snapshot()
+
+
+def test_a_put_declaring_a_large_payload_allocates_only_what_arrived(store, metadata, gateway_for):
+    """A PUT that declares 256 MiB and sends 1 KiB holds about 1 MiB (one read piece), not
+    256 MiB: the payload is buffered as it arrives."""
+    import tracemalloc
+
+    store.start()
+    gateway, lmc = gateway_for(metadata.add_tenant("alice"))
+    assert not lmc.exists(key(1))  # LMCache's connection is being served
+    host, port = gateway.address.rsplit(":", 1)
+    tracemalloc.start()
+    try:
+        before, held = tracemalloc.get_traced_memory()[0], gateway.connections()
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(client_header(Command.PUT, "m@1@0@9@float32", length=256 << 20))
+            sock.sendall(b"x" * 1024)
+            assert eventually(lambda: gateway.connections() == held + 1)
+        assert eventually(lambda: gateway.connections() == held)  # it read all, then our close
+        peak = tracemalloc.get_traced_memory()[1] - before
+        assert peak < 8 << 20, peak
+    finally:
+        tracemalloc.stop()
+
+
+def eventually(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
