@@ -502,8 +502,9 @@ class DecoderWorker:
             )
         if cached.tokens == 0:
             return self._local_entry(tokens, cancelled)
-        owner = client.topology.tenant if not namespace else ""  # private: the caller's own
-        key = (owner, cached.namespace, cached.key, cached.tokens, unsigned)
+        # Per reader, shared namespaces too: the entry's reads go through the caller's own
+        # client, so its quota, shares and audit count them (not the first reader's).
+        key = (client.topology.tenant, cached.namespace, cached.key, cached.tokens, unsigned)
         with self._lock:
             entry = self._prefixes.get(key)
             if entry is None:
@@ -604,13 +605,35 @@ class DecoderWorker:
 
     def _build_artifact(self, entry: _Entry, spec: str) -> CompressedKV:
         """The prefix's compressed KV for `spec`, from what its prefill observed when that
-        covers the compressor's window (else the window is observed again, exactly)."""
+        covers the compressor's window (else the window is observed again, exactly).
+
+        A stored prefix whose full KV cannot be read any more (evicted or deleted since the
+        lookup, its shards gone) is recomputed here, exactly, as on a miss: the request is
+        served, never failed NOT_FOUND (the engine does the same for its own reads)."""
         pipeline = parse_compressor(spec)
-        prefix = entry.prefix
+        try:
+            return self._compress_prefix(pipeline, entry.prefix)
+        except StoreError as error:
+            if entry.cached is None:
+                raise
+            log.warning("a cached prefix's full KV is unreadable (%s); recomputing it", error)
+            return self._compress_recomputed(pipeline, entry.prefix)
+
+    def _compress_prefix(self, pipeline, prefix: Prefix) -> CompressedKV:
         observed = prefix.observed
         if not pipeline.observes_enough(observed, prefix.source.length):
             observed = self._observe(prefix, pipeline.observe_window)
         return self._compress(pipeline, prefix.source, observed)
+
+    def _compress_recomputed(self, pipeline, prefix: Prefix) -> CompressedKV:
+        """`_compress_prefix` over the prefix's KV recomputed here (transient, budgeted)."""
+        need = prefix.source.length * self.model.config.kv_bytes_per_token
+        self.budget.reserve(need)
+        try:
+            local = prefill_prefix(self.runner, list(prefix.tokens), pipeline.observe_window)
+            return self._compress_prefix(pipeline, local)
+        finally:
+            self.budget.release(need)
 
     def _store_artifact(self, client, cached: CachedPrefix, spec: str, compressed, signer) -> None:
         """Store a built artifact for later requests and workers, as the caller (signed with

@@ -185,3 +185,33 @@ def test_sampling_out_of_range_is_invalid_argument_naming_the_field(
             list(call(request, metadata=(("authorization", f"Bearer {token}"),), timeout=30))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details() == f"sampling: {named}"
+
+
+@pytest.mark.parametrize("mode", ["vericache", "full"])
+def test_a_prefix_deleted_between_lookup_and_reads_is_recomputed_exactly(
+    mode, decoder, store, metadata, builtin_model, builtin_runner
+):
+    """The seam: the caller's store client answers the lookup, then the prefix's chunks are
+    deleted before any read (an eviction race). The request is served, token for token as
+    full-KV decoding, never NOT_FOUND."""
+    token = metadata.add_tenant("racer")
+    prompt = document(builtin_model, 120)
+    with DecoderClient(decoder.address, token) as client:
+        client.publish(token_ids=prompt[:-1], compressors=[])
+        worker = decoder.worker
+        caller = worker.client(token)
+        lookup = caller.lookup
+
+        def lookup_then_delete(tokens, layout, namespace=""):
+            found = lookup(tokens, layout, namespace)
+            with store.client(token) as other:
+                assert other.delete_prefix(tokens, layout, namespace) > 0
+            return found
+
+        caller.lookup = lookup_then_delete  # this test's seam, on this caller's client only
+        try:
+            reply = client.generate(token_ids=prompt, max_new_tokens=NEW, mode=mode)
+        finally:
+            del caller.lookup
+    assert reply.stats["cached_tokens"] > 0  # it was found, then lost
+    assert reply.tokens == reference(builtin_runner, builtin_model, prompt)
