@@ -33,6 +33,17 @@ UNITS = {
 }
 
 
+def parse_weight(text: str) -> float:
+    """A tenant's fair-share weight: a finite number > 0 (else exit status 2)."""
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = float("nan")
+    if not (weight > 0 and weight != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a weight (a finite number > 0)")
+    return weight
+
+
 REDIS_HELP = "the deployment's Redis (none: the service started on this machine)"
 
 
@@ -237,6 +248,19 @@ def add_commands(sub) -> None:
         type=parse_bytes,
         default=8 << 30,  # prefix_store.metadata.DEFAULT_QUOTA (not imported: redis)
         help="bytes the tenant may store, replicas included (default 8GiB; 0 = unlimited)",
+    )
+    add.add_argument(
+        "--weight",
+        type=parse_weight,
+        default=1.0,
+        help="its weight in every server's fair shares of calls, tickets, connections and "
+        "bytes (default 1; a tenant of weight 2 gets twice the share of weight 1)",
+    )
+    add.add_argument(
+        "--admin",
+        action="store_true",
+        help="the admin role: its calls use a small reserved pool of call slots that "
+        "tenants cannot fill (operators' tooling)",
     )
     add_secret(add, "redis-url", REDIS_HELP)
     add.set_defaults(parse=lambda ns: ns, run=run_tenant_add)
@@ -527,7 +551,7 @@ def _live(ns) -> dict | None:
 
 
 def run_tenant_add(ns) -> int:
-    token = metadata(ns).add_tenant(ns.name, ns.quota)
+    token = metadata(ns).add_tenant(ns.name, ns.quota, ns.weight, ns.admin)
     print(token)
     return 0
 

@@ -76,8 +76,10 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if self.receive_bytes < self.max_put_bytes:
             raise ValueError("receive_bytes must be >= max_put_bytes (or no such put fits)")
-        if self.calls.total >= self.workers:
-            raise ValueError("calls.total must be below workers (threads for health checks)")
+        if self.calls.total + self.calls.reserved >= self.workers:
+            raise ValueError(
+                "calls.total + calls.reserved must be below workers (threads for health checks)"
+            )
         if self.provenance_key and len(self.provenance_key) != 32:
             raise ValueError("provenance_key: a 32-byte Ed25519 public key, or empty")
         if self.memory_bytes < 0 or self.disk_bytes < 0:

@@ -46,7 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prefix_store import faults
-from prefix_store.errors import StoreFull
+from prefix_store.errors import LimitExceeded
+from prefix_store.shares import FairShare
 from prefix_store.status import code_of
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ class Transfer:
     owner_key: bytes = b""
     """`token_key` of the tenant it was issued to (b"" = any): only its proof redeems it."""
     ticket: bytes = b""
+    tenant: str = ""
+    """The tenant it was issued to: its ticket and connection count against its shares."""
+    weight: float = 1.0
+    """That tenant's weight in the plane's fair shares."""
 
     def redeemable(self, peer: str, proof: bytes) -> bool:
         """Whether a connection from `peer` opening with `proof` may redeem the ticket."""
@@ -98,9 +103,21 @@ class DataPlaneLimits:
     ticket_ttl_s: float = 30.0
     """An unredeemed ticket expires (releasing its leases) after this long."""
     max_tickets: int = 1024
-    """Outstanding tickets; beyond it `issue` raises StoreFull (RESOURCE_EXHAUSTED)."""
+    """Outstanding tickets, shared by the tenants holding them (`prefix_store.shares`: a
+    tenant alone gets half, weighted, a newcomer always finds room); beyond its share
+    `issue` raises LimitExceeded (RESOURCE_EXHAUSTED, retry-after-ms)."""
     max_connections: int = 256
-    """Open connections; beyond it a new one is told UNAVAILABLE and closed."""
+    """Connections moving a tenant's transfer (ticket redeemed), shared by tenant as
+    `max_tickets`; one beyond its tenant's share is told RESOURCE_EXHAUSTED and closed."""
+    max_opening: int = 64
+    """Connections that have not yet redeemed a ticket (unauthenticated), shared by peer
+    address; beyond a peer's share (or `opening_per_peer`) a new one is told
+    RESOURCE_EXHAUSTED and closed."""
+    opening_per_peer: int = 16
+    """Connections one peer address may hold before redeeming their tickets."""
+    handshake_s: float = 5.0
+    """A new connection must finish its TLS handshake and send its ticket within this long,
+    or it is cut: unauthenticated peers hold no connection longer."""
     idle_s: float = 15.0
     """A connection that moves no byte for this long is closed (ticket read included)."""
     deadline_s: float = 60.0
@@ -110,6 +127,12 @@ class DataPlaneLimits:
 
     def deadline(self, nbytes: int) -> float:
         return max(self.deadline_s, nbytes / self.min_rate)
+
+    def __post_init__(self) -> None:
+        if min(self.max_tickets, self.max_connections, self.max_opening) < 1:
+            raise ValueError("DataPlaneLimits: max_tickets, max_connections, max_opening >= 1")
+        if self.opening_per_peer < 1 or self.handshake_s <= 0:
+            raise ValueError("DataPlaneLimits: opening_per_peer >= 1 and handshake_s > 0")
 
 
 def token_key(token: str) -> bytes:
@@ -212,6 +235,14 @@ def send_coalesced(sock: ssl.SSLSocket, buffers: list) -> None:
         sock.sendall(batch)
 
 
+def refuse(conn: socket.socket, error: BaseException) -> None:
+    """Tell a connection its bounds refused it (RESOURCE_EXHAUSTED, naming the limit), and
+    close it."""
+    with contextlib.suppress(OSError), conn:
+        conn.settimeout(1)
+        conn.sendall(error_frame("RESOURCE_EXHAUSTED", str(error)))
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -221,11 +252,13 @@ def tune(sock: socket.socket) -> None:
 class DataPlane:
     """A listener whose connections each redeem one ticket and stream its segments.
 
-    Bounded (see `DataPlaneLimits`): tickets, connections, idle time and each transfer's
-    duration. The accept loop survives every error (e.g. EMFILE: it backs off and goes on)
-    and ends only at `stop`. A ticket is redeemable only from the address it was issued
-    to. `tls`: a server-side context (`prefix_store.tls.server_context`) every connection
-    must complete a handshake with before anything else; None: plain TCP."""
+    Bounded (see `DataPlaneLimits`): tickets and connections by fair share among tenants
+    (`prefix_store.shares`), connections not yet redeemed per peer address and by a short
+    handshake deadline, idle time and each transfer's duration. The accept loop survives
+    every error (e.g. EMFILE: it backs off and goes on) and ends only at `stop`. A ticket
+    is redeemable only from the address it was issued to. `tls`: a server-side context
+    (`prefix_store.tls.server_context`) every connection must complete a handshake with
+    before anything else; None: plain TCP."""
 
     def __init__(
         self,
@@ -240,6 +273,14 @@ class DataPlane:
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._tickets: dict[bytes, Transfer] = {}
+        self._ticket_shares = FairShare(self.limits.max_tickets, "data-plane tickets")
+        self._connection_shares = FairShare(self.limits.max_connections, "data-plane connections")
+        self._opening = FairShare(
+            self.limits.max_opening,
+            "data-plane connections not yet redeemed",
+            limit=self.limits.opening_per_peer,
+            holder="peer",
+        )
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._connections: dict[socket.socket, float] = {}
@@ -266,20 +307,21 @@ class DataPlane:
         peer: str = "",
         nbytes: int = 0,
         owner_key: bytes = b"",
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> bytes:
         """Register a transfer for `peer` (an address; "" = any) and the tenant whose
-        `token_key` is `owner_key` (b"" = any); returns its single-use ticket. StoreFull
-        when `max_tickets` are outstanding (the caller releases what the transfer held)."""
+        `token_key` is `owner_key` (b"" = any), named `tenant` (weight `weight`); returns its
+        single-use ticket. LimitExceeded when the tenant holds its share of `max_tickets`
+        (the caller releases what the transfer held)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         self._expire(time.monotonic())
+        self._ticket_shares.acquire(tenant, 1, weight)
         with self._lock:
-            if len(self._tickets) >= self.limits.max_tickets:
-                raise StoreFull(
-                    f"data plane: {len(self._tickets)} transfers are waiting to start "
-                    f"(max_tickets {self.limits.max_tickets}); retry shortly"
-                )
             expires = time.monotonic() + self.ticket_ttl_s
-            self._tickets[ticket] = Transfer(run, close, expires, peer, nbytes, owner_key, ticket)
+            self._tickets[ticket] = Transfer(
+                run, close, expires, peer, nbytes, owner_key, ticket, tenant, weight
+            )
         return ticket
 
     def load(self) -> tuple[int, int]:
@@ -292,6 +334,7 @@ class DataPlane:
             expired = [t for t, x in self._tickets.items() if x.expires < now]
             transfers = [self._tickets.pop(t) for t in expired]
         for transfer in transfers:  # outside the lock: closing takes the shard's lock
+            self._ticket_shares.release(transfer.tenant)
             transfer.close()
 
     def _cut_overdue(self, now: float) -> None:
@@ -318,31 +361,36 @@ class DataPlane:
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
-        with self._lock:
-            full = len(self._connections) >= self.limits.max_connections
-            if not full:
-                self._connections[conn] = time.monotonic() + self.limits.idle_s
-        if full:
-            with contextlib.suppress(OSError), conn:
-                conn.settimeout(1)
-                conn.sendall(error_frame("UNAVAILABLE", "data plane: too many connections"))
-            return
+        """A new connection, unauthenticated until it redeems a ticket: it holds one of its
+        peer address's opening slots and must open within `handshake_s`."""
         try:
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            peer = conn.getpeername()[0].removeprefix("::ffff:")
+            self._opening.acquire(peer)
+        except (OSError, LimitExceeded) as error:
+            refuse(conn, error)
+            return
+        with self._lock:
+            self._connections[conn] = time.monotonic() + self.limits.handshake_s
+        try:
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
         except RuntimeError:  # no thread to be had: as if full
             self._forget(conn)
+            self._opening.release(peer)
             conn.close()
 
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._connections.pop(conn, None)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        opening = [peer]  # released once the connection redeems its ticket, or ends
         try:
             conn = self._wrap(conn)
-            self._stream(conn)
+            self._stream(conn, opening)
         finally:
             self._forget(conn)
+            for held in opening:
+                self._opening.release(held)
 
     def _wrap(self, conn: socket.socket) -> socket.socket:
         """With TLS: the connection as a TLS socket, its handshake not yet done (no I/O
@@ -368,30 +416,45 @@ class DataPlane:
             return False
         return True
 
-    def _stream(self, conn: socket.socket) -> None:
+    def _stream(self, conn: socket.socket, opening: list[str]) -> None:
         with conn:
             tune(conn)
-            conn.settimeout(self.limits.idle_s)
+            conn.settimeout(min(self.limits.idle_s, self.limits.handshake_s))
             if self._stopped.is_set() or not self._handshake(conn):
                 return
             transfer = self._redeem(conn)
             if transfer is None:
                 return
-            with self._lock:
-                if conn in self._connections:
-                    deadline = self.limits.deadline(transfer.nbytes)
-                    self._connections[conn] = time.monotonic() + deadline
+            self._opening.release(opening.pop())
             try:
-                transfer.run(conn)
-            except OSError as error:  # the client went away, or was too slow: nobody to tell
-                log.info("data plane: transfer aborted: %s", error)
-            except Exception as error:  # noqa: BLE001 - report it in band, then close
-                if code_of(error).name == "INTERNAL":
-                    log.exception("data plane: internal error")
-                with contextlib.suppress(OSError):
-                    conn.sendall(error_frame(code_of(error).name, str(error)))
-            finally:
+                self._connection_shares.acquire(transfer.tenant, 1, transfer.weight)
+            except LimitExceeded as error:
                 transfer.close()
+                refuse(conn, error)
+                return
+            try:
+                self._transfer(conn, transfer)
+            finally:
+                self._connection_shares.release(transfer.tenant)
+
+    def _transfer(self, conn: socket.socket, transfer: Transfer) -> None:
+        """Move a redeemed transfer's bytes under its deadline; `close` it always."""
+        conn.settimeout(self.limits.idle_s)
+        with self._lock:
+            if conn in self._connections:
+                deadline = self.limits.deadline(transfer.nbytes)
+                self._connections[conn] = time.monotonic() + deadline
+        try:
+            transfer.run(conn)
+        except OSError as error:  # the client went away, or was too slow: nobody to tell
+            log.info("data plane: transfer aborted: %s", error)
+        except Exception as error:  # noqa: BLE001 - report it in band, then close
+            if code_of(error).name == "INTERNAL":
+                log.exception("data plane: internal error")
+            with contextlib.suppress(OSError):
+                conn.sendall(error_frame(code_of(error).name, str(error)))
+        finally:
+            transfer.close()
 
     def _redeem(self, conn: socket.socket) -> Transfer | None:
         opening = bytearray(TICKET_BYTES + PROOF_BYTES)
@@ -407,6 +470,8 @@ class DataPlane:
                 transfer = None  # not yours: the ticket stays for its owner
             elif transfer is not None:
                 del self._tickets[ticket]
+        if transfer is not None:
+            self._ticket_shares.release(transfer.tenant)
         if transfer is not None and transfer.expires < time.monotonic():
             transfer.close()
             transfer = None
@@ -428,4 +493,5 @@ class DataPlane:
             transfers = list(self._tickets.values())
             self._tickets.clear()
         for transfer in transfers:
+            self._ticket_shares.release(transfer.tenant)
             transfer.close()

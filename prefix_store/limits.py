@@ -1,8 +1,12 @@
 """Bounds on what callers hold on a server, shared by the store's and the decoder's.
 
-`CallLimits` caps concurrent calls per tenant and in all, so that one tenant (or a crowd
-of idle streams) cannot take every server thread: a call over a limit fails at once with
-RESOURCE_EXHAUSTED naming the limit, before it reads its request. `IdleStreams` cuts a
+`CallLimits` divides a server's call slots among the tenants calling it by fair share
+(`prefix_store.shares.FairShare`: weighted, a newcomer's room always kept free), under an
+absolute per-tenant cap, with a small pool reserved for the admin role; so that no tenant
+(nor two, nor a crowd of idle streams) can take every server thread: a call over its share
+fails at once with RESOURCE_EXHAUSTED naming the limit, before it reads its request.
+Health checks and reflection never take a slot (they are not tenants' calls: the server's
+threads beyond `total + reserved` serve them). `IdleStreams` cuts a
 client stream that sends nothing for too long (it would hold its thread forever)."""
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prefix_store.errors import LimitExceeded
+from prefix_store.shares import FairShare, Reserved
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +27,13 @@ class CallBounds:
     """What a server lets its callers hold at once."""
 
     per_tenant: int = 16
-    """Concurrent calls of one tenant."""
+    """Concurrent calls of one tenant at most, whatever its fair share."""
     total: int = 28
-    """Concurrent calls of all tenants: keep it below the server's threads, so that health
-    checks and reflection always find one."""
+    """Concurrent calls of all tenants, shared by fair share (a tenant alone gets half at
+    weight 1; see `prefix_store.shares`): keep `total + reserved` below the server's
+    threads, so that health checks and reflection always find one."""
+    reserved: int = 2
+    """Call slots only the admin role (`Tenant.admin`) may take, beside `total`."""
     stream_idle_s: float = 30.0
     """A client stream that sends no message for this long is cancelled."""
 
@@ -34,39 +42,37 @@ class CallBounds:
             raise ValueError("CallBounds: need 1 <= per_tenant <= total")
         if self.stream_idle_s <= 0:
             raise ValueError("CallBounds.stream_idle_s must be > 0")
+        if self.reserved < 0:
+            raise ValueError("CallBounds.reserved must be >= 0")
 
 
 class CallLimits:
+    """A server's call slots: the admin role's reserved pool first, then the tenants' fair
+    share. Thread-safe."""
+
     def __init__(self, bounds: CallBounds) -> None:
         self.bounds = bounds
-        self._lock = threading.Lock()
-        self._calls: Counter = Counter()
+        self.shares = FairShare(bounds.total, "calls in flight", limit=bounds.per_tenant)
+        self.reserved = Reserved(bounds.reserved, "admin call slots")
 
     @contextlib.contextmanager
-    def admit(self, tenant: str) -> Iterator[None]:
-        """Hold one of `tenant`'s call slots for the block; LimitExceeded when none is free."""
-        with self._lock:
-            if self._calls[tenant] >= self.bounds.per_tenant:
-                raise LimitExceeded(
-                    f"tenant {tenant!r}: {self._calls[tenant]} calls in flight "
-                    f"(per-tenant limit {self.bounds.per_tenant}); retry when one ends"
-                )
-            if sum(self._calls.values()) >= self.bounds.total:
-                raise LimitExceeded(
-                    f"server busy: {self.bounds.total} calls in flight (limit); retry shortly"
-                )
-            self._calls[tenant] += 1
-        try:
+    def admit(self, tenant: str, weight: float = 1.0, admin: bool = False) -> Iterator[None]:
+        """Hold one of `tenant`'s call slots for the block; LimitExceeded naming the share
+        or the limit when it may take none. An `admin` caller takes a reserved slot when
+        one is free, else a share like any tenant."""
+        if admin and self.reserved.try_acquire():
+            try:
+                yield
+            finally:
+                self.reserved.release()
+            return
+        with self.shares.hold(tenant, 1, weight):
             yield
-        finally:
-            with self._lock:
-                self._calls[tenant] -= 1
-                if self._calls[tenant] <= 0:
-                    del self._calls[tenant]
 
     def in_flight(self, tenant: str | None = None) -> int:
-        with self._lock:
-            return self._calls[tenant] if tenant is not None else sum(self._calls.values())
+        if tenant is None:
+            return self.shares.held() + self.reserved.held()
+        return self.shares.held(tenant)
 
 
 class TenantSlots:
@@ -119,6 +125,7 @@ class IdleStreams:
                 with self._lock:
                     self._deadlines.pop(context, None)
                 yield message
+                del message  # not kept while the next one is awaited (it may be large)
         finally:
             with self._lock:
                 self._deadlines.pop(context, None)

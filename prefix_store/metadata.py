@@ -8,7 +8,8 @@ Redis runs with an append-only file).
 Keys (prefix "vc:"):
   vc:shard:<id>            JSON {address, ...stats}, expires after the shard's TTL
   vc:usage:<id>            hash tenant -> bytes stored on that shard, same TTL
-  vc:tenant:<name>         hash {quota, salt, created, token (the token's sha256)}
+  vc:tenant:<name>         hash {quota, salt, created, token (the token's sha256),
+                           weight (its fair share's weight, default 1.0), admin (0|1)}
   vc:tenants               set of tenant names
   vc:token:<sha256>        tenant name
   vc:ns:<name>             hash {salt, owner} of a shared namespace
@@ -32,6 +33,7 @@ import redis
 
 from prefix_store.errors import InvalidArgument, Unavailable
 from prefix_store.namespace import OWNER, READER, WRITER, Namespace
+from prefix_store.shares import check_weight
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -74,6 +76,22 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+def valid_weight(weight: float) -> float:
+    """`weight` as a tenant's share weight; InvalidArgument unless finite and > 0."""
+    try:
+        return check_weight(weight)
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from error
+
+
+def weight_of(raw: bytes | None) -> float:
+    """A stored weight; a record without one (older) or a broken one weighs 1.0."""
+    try:
+        return check_weight(float(raw)) if raw else 1.0
+    except ValueError:
+        return 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class ShardRecord:
     shard_id: str
@@ -88,6 +106,12 @@ class Tenant:
     """Bytes the tenant may store (replicas included); 0 = unlimited."""
     namespaces: dict[str, Namespace]
     """What the tenant may use, by the name it writes: "" is its private namespace."""
+    weight: float = 1.0
+    """Its weight in every fair share of a server's bounds (`prefix_store.shares`): a
+    tenant of weight 2 may hold twice what one of weight 1 holds when both are busy."""
+    admin: bool = False
+    """The admin role (operators' tooling): its calls take slots from a small pool that
+    tenants cannot fill, before any of the shared ones."""
 
 
 class Metadata:
@@ -175,11 +199,15 @@ class Metadata:
 
     # ---- tenants and namespaces -----------------------------------------------------------
 
-    def add_tenant(self, name: str, quota: int = DEFAULT_QUOTA) -> str:
-        """Create a tenant; returns its bearer token (shown once, stored only hashed)."""
+    def add_tenant(
+        self, name: str, quota: int = DEFAULT_QUOTA, weight: float = 1.0, admin: bool = False
+    ) -> str:
+        """Create a tenant; returns its bearer token (shown once, stored only hashed).
+        `weight`: its weight in servers' fair shares (finite, > 0); `admin`: the admin role."""
         check_name("tenant", name)
         if quota < 0:
             raise InvalidArgument("quota: must be >= 0 bytes (0 = unlimited)")
+        weight = valid_weight(weight)
         token = new_token()
 
         def write():
@@ -192,6 +220,8 @@ class Metadata:
                     "salt": secrets.token_hex(16),
                     "created": time.time(),
                     "token": token_digest(token),
+                    "weight": repr(weight),
+                    "admin": int(admin),
                 },
             )
             self.redis.set(f"{self.p}:token:{token_digest(token)}", name)
@@ -338,7 +368,13 @@ class Metadata:
                         bytes.fromhex(salt.decode()),
                         role_of(name.encode(), owner, readers),
                     )
-            return Tenant(name, int(fields[b"quota"]), spaces)
+            return Tenant(
+                name,
+                int(fields[b"quota"]),
+                spaces,
+                weight_of(fields.get(b"weight")),
+                fields.get(b"admin") == b"1",
+            )
 
         return self._call(read)
 

@@ -50,6 +50,7 @@ from prefix_store.namespace import OWNER
 from prefix_store.provenance import Proof
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
 from prefix_store.shard_metrics import ShardMetrics
+from prefix_store.shares import FairShare
 from prefix_store.status import abort, code_of
 from prefix_store.tls import bind, server_context
 
@@ -95,7 +96,7 @@ def unary(method):
         try:
             with self.metrics.rpc.call(method.__name__, code_of):
                 call = self.authenticate(context)
-                with self.limits.admit(call.tenant.name):
+                with self.admit(call.tenant):
                     return method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001 - every failure gets a precise status
             abort(context, error, f"PrefixStore.{method.__name__}")
@@ -111,12 +112,35 @@ def streaming(method):
         try:
             with self.metrics.rpc.call(method.__name__, code_of):
                 call = self.authenticate(context)
-                with self.limits.admit(call.tenant.name):
+                with self.admit(call.tenant):
                     yield from method(self, self.request(method.__name__, raw, context), call)
         except Exception as error:  # noqa: BLE001
             abort(context, error, f"PrefixStore.{method.__name__}")
 
     return handler
+
+
+def once(*actions):
+    """A callable that runs `actions` in order the first time it is called, never again."""
+    lock, done = threading.Lock(), []
+
+    def run() -> None:
+        with lock:
+            if done:
+                return
+            done.append(True)
+        run_all(actions)
+
+    return run
+
+
+def run_all(actions) -> None:
+    """Each of `actions` in order, the later ones even when an earlier one raised."""
+    if actions:
+        try:
+            actions[0]()
+        finally:
+            run_all(actions[1:])
 
 
 def parse(message_class, raw: bytes):
@@ -176,6 +200,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.kernel = attend.kernel_fingerprint(config.attention)
         """The attention kernel this shard serves Attend with ("" = none)."""
         self.attend_slots = TenantSlots(config.max_attend_streams_per_tenant, "Attend streams")
+        self.leases = FairShare(
+            max(1, config.memory_bytes + config.disk_bytes), "bytes of chunks leased by tickets"
+        )
+        """What data-plane tickets pin (their chunks cannot be evicted until redeemed or
+        expired), shared by tenant: one tenant's tickets cannot pin the whole store."""
         self.attend_stats = attend.AttendStats()
         self.metrics = ShardMetrics(self, config.metrics.tenant_labels if config.metrics else 32)
 
@@ -185,6 +214,10 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 f"{name}: a message of {nbytes} bytes exceeds the limit of "
                 f"{self.config.max_message_bytes} bytes"
             )
+
+    def admit(self, tenant: Tenant):
+        """One of `tenant`'s call slots: its fair share, weighted, or the admin pool."""
+        return self.limits.admit(tenant.name, tenant.weight, tenant.admin)
 
     def authenticate(self, context: grpc.ServicerContext) -> Call:
         """The call as its caller, from its metadata alone: no request byte is read first."""
@@ -244,6 +277,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             ],
             replication=min(replication, max(1, len(shards))),
             max_message_bytes=self.config.max_message_bytes,
+            weight=tenant.weight,
+            admin=tenant.admin,
         )
 
     @unary
@@ -319,7 +354,15 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         if self.data_plane is None:
             raise InvalidArgument("OpenFetch: this shard has no data plane; use Fetch")
         space, layout, refs, start, end = self._fetch_args(request, context)
-        stream = self.shard.open_fetch(space, layout, refs, start, end)
+        tenant = context.tenant
+        leased = sum(layout.segment_bytes(ref.tokens) for ref in refs) * layout.num_layers
+        self.leases.acquire(tenant.name, leased, tenant.weight)
+        try:
+            stream = self.shard.open_fetch(space, layout, refs, start, end)
+        except BaseException:
+            self.leases.release(tenant.name, leased)
+            raise
+        close = once(stream.close, lambda: self.leases.release(tenant.name, leased))
         tokens = [ref.tokens for ref in refs]
         row_bytes = layout.head_dim * layout.itemsize
         frames = (
@@ -329,13 +372,15 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         try:
             ticket = self.data_plane.issue(
                 lambda conn: send_frames(conn, frames),
-                stream.close,
+                close,
                 peer_host(context.peer()),
                 stream.total_bytes,
                 self._owner_key(context),
+                tenant.name,
+                tenant.weight,
             )
         except BaseException:
-            stream.close()
+            close()
             raise
         return pb.TransferTicket(
             ticket=ticket,
@@ -357,6 +402,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
                 peer_host(context.peer()),
                 total,
                 self._owner_key(context),
+                context.tenant.name,
+                context.tenant.weight,
             )
         except BaseException:
             session.close()

@@ -13,6 +13,7 @@ holds nothing yet, plus 1.0 for one newcomer of default weight. Then t may acqui
      total held + amount <= capacity - capacity * 1.0 / W
                                                     -- a newcomer's share stays free
 
+and, when the share has a `limit`, held(t) + amount <= limit whatever the share.
 So a tenant alone may use the capacity less the newcomer's share (half of it at weight
 1.0), two tenants of weight 1.0 a third each, and so on; a tenant of weight 2 gets twice
 the share of one of weight 1. Rule 3 keeps a newcomer's room free even when tenants hold
@@ -60,11 +61,17 @@ class FairShare:
         capacity: int,
         what: str,
         weight: Callable[[str], float] = lambda tenant: 1.0,
+        limit: int | None = None,
+        holder: str = "tenant",
     ) -> None:
+        """`limit`: the most one tenant ever holds, whatever its share (None: no such cap).
+        `holder`: what a tenant is called in messages (e.g. "peer" for peer addresses)."""
         if capacity < 1:
             raise ValueError(f"FairShare({what!r}): capacity must be >= 1")
         self.capacity = capacity
         self.what = what
+        self.limit = limit
+        self.holder = holder
         self._weight_of = weight
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}
@@ -89,11 +96,16 @@ class FairShare:
             held = self._held.get(tenant, 0)
             w = self._weights.get(tenant) or self._read_weight(tenant, weight)
             share = self._share(tenant, w)
+            if self.limit is not None and held + amount > self.limit:
+                raise LimitExceeded(
+                    f"{self.holder} {tenant!r}: {held} {self.what} held, {amount} more asked "
+                    f"(per-{self.holder} limit {self.limit}); retry when some are released"
+                )
             if held + amount > max(1.0, share):
                 raise LimitExceeded(
-                    f"tenant {tenant!r}: {held} {self.what} held, {amount} more asked; its "
+                    f"{self.holder} {tenant!r}: {held} {self.what} held, {amount} more asked; its "
                     f"fair share is {math.floor(max(1.0, share))} of {self.capacity} "
-                    f"(weight {w:g}, {len(self._held) + (held == 0)} tenants active); retry "
+                    f"(weight {w:g}, {len(self._held) + (held == 0)} {self.holder}s active); retry "
                     "when some are released"
                 )
             free = self.capacity - self._total
@@ -102,7 +114,7 @@ class FairShare:
             if amount > free:
                 raise LimitExceeded(
                     f"server busy: {self._total} of {self.capacity} {self.what} held "
-                    f"(tenant {tenant!r} holds {held}, its fair share "
+                    f"({self.holder} {tenant!r} holds {held}, its fair share "
                     f"{math.floor(max(1.0, share))}); retry shortly"
                 )
             if amount == 0:

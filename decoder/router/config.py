@@ -74,5 +74,5 @@ class RouterConfig:
             raise ValueError("load_factor must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        if self.calls.total >= self.max_workers:
-            raise ValueError("calls.total must be below max_workers")
+        if self.calls.total + self.calls.reserved >= self.max_workers:
+            raise ValueError("calls.total + calls.reserved must be below max_workers")

@@ -12,7 +12,9 @@ or a stream that ended without its final event), one the router cut (out, or sil
 CANCELLED), a deadline, a decoder busy before the first token (RESOURCE_EXHAUSTED), or an
 INTERNAL error. Anything else is the request's own failure (a bad argument, an unknown
 token, a prefix that cannot be served) and reaches the caller as the decoder said it.
-A request is failed only when no decoder is left to try, or after `max_attempts`.
+A request is failed only when no decoder is left to try, or after `max_attempts`: as
+RESOURCE_EXHAUSTED (with the decoder's own message and `retry-after-ms` when it sent one)
+when a decoder refused it as busy or over its budget, else UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Relay:
     def events(self) -> Iterator[dpb.GenerateEvent]:
         tried: set[str] = set()
         last: Forwarded | None = None
+        refused: Forwarded | None = None
         while len(self.decoders) < self.max_attempts:
             decoder = next((d for d in self.order() if d not in tried), None)
             if decoder is None:
@@ -101,6 +104,10 @@ class Relay:
                     failure.code.name,
                 )
                 last = failure
+                if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused = failure
+        if refused is not None:  # busy or over budget: waiting may help, another node not
+            raise refused
         why = f"{last.code.name}: {last.details}" if last else "no decoder is live"
         raise Forwarded(
             grpc.StatusCode.UNAVAILABLE,

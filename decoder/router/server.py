@@ -35,6 +35,7 @@ from prefix_store.auth import bearer_token
 from prefix_store.limits import CallLimits
 from prefix_store.metrics import RpcMetrics, metrics_endpoint
 from prefix_store.server import parse
+from prefix_store.status import busy_retry_s
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
@@ -76,7 +77,7 @@ def _handler(stream: bool):
                         token = bearer_token(context.invocation_metadata())
                         with (
                             self.clients.held(token, peer(context)) as client,
-                            self.limits.admit(client.topology.tenant),
+                            self.admit(client),
                         ):
                             yield from method(self, token, client, raw, context)
                 except Exception as error:  # noqa: BLE001 - every failure gets a precise status
@@ -91,7 +92,7 @@ def _handler(stream: bool):
                     token = bearer_token(context.invocation_metadata())
                     with (
                         self.clients.held(token, peer(context)) as client,
-                        self.limits.admit(client.topology.tenant),
+                        self.admit(client),
                     ):
                         return method(self, token, client, raw, context)
             except Exception as error:  # noqa: BLE001
@@ -119,6 +120,12 @@ class RouterServicer:
             "Requests moved to another decoder after theirs failed (mid-stream included).",
             registry=self.registry,
         )
+
+    def admit(self, client):
+        """One of the caller's call slots: its tenant's fair share (weighted), or the admin
+        pool, as the store named them."""
+        topology = client.topology
+        return self.limits.admit(topology.tenant, topology.weight, topology.admin)
 
     def close(self) -> None:
         self.members.close()
@@ -190,15 +197,23 @@ class RouterServicer:
         return prefix_identity(tokens, salt, self.config.affinity_chunks)
 
     def _unary(self, method: str, identity: int, raw: bytes, context, response):
-        """A unary call on the request's decoder, or the next one when it is unreachable."""
+        """A unary call on the request's decoder, or the next one when it is unreachable or
+        refuses it as busy (`retry-after-ms`); when every decoder tried was busy, the
+        caller is told so (RESOURCE_EXHAUSTED with `retry-after-ms`), not UNAVAILABLE."""
+        busy: Forwarded | None = None
         for endpoint in self._order(identity)()[: self.config.max_attempts]:
             try:
                 return self._call(endpoint, method, raw, context, response)
             except grpc.RpcError as error:
+                failure = Forwarded(error.code(), error.details() or "", error.trailing_metadata())
+                if busy_retry_s(error) is not None:
+                    busy = failure
+                    continue
                 if error.code() != grpc.StatusCode.UNAVAILABLE:
-                    details = error.details() or ""
-                    raise Forwarded(error.code(), details, error.trailing_metadata()) from None
+                    raise failure from None
                 self.members.failed(endpoint)
+        if busy is not None:
+            raise busy
         raise Forwarded(grpc.StatusCode.UNAVAILABLE, "no decoder could serve the request")
 
     def _call(self, endpoint: str, method: str, raw: bytes, context, response):

@@ -96,8 +96,10 @@ class DecoderConfig:
     """Sampled requests waiting for their audit; a sample beyond this is skipped."""
 
     def __post_init__(self) -> None:
-        if self.calls.total >= self.max_workers:
-            raise ValueError("calls.total must be below max_workers (threads for health checks)")
+        if self.calls.total + self.calls.reserved >= self.max_workers:
+            raise ValueError(
+                "calls.total + calls.reserved must be below max_workers (threads for health checks)"
+            )
         if not self.store_endpoints:
             raise ValueError("store_endpoints: at least one host:port is required")
         if self.kv_budget is not None and self.kv_budget <= 0:

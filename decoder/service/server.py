@@ -100,8 +100,10 @@ class DecoderServicer:
         self.limits = CallLimits(worker.config.calls)
 
     def admit(self, client: StoreClient):
-        """One of the caller's call slots (its tenant, as the store named it)."""
-        return self.limits.admit(client.topology.tenant)
+        """One of the caller's call slots (its tenant, weight and role, as the store named
+        them): its fair share, or the admin pool."""
+        topology = client.topology
+        return self.limits.admit(topology.tenant, topology.weight, topology.admin)
 
     @streaming(dpb.GenerateRequest)
     def Generate(self, token, request, context):

@@ -47,6 +47,10 @@ class Transfer:
 
     async def _stream(self, stream: policy.FetchStream) -> None:
         try:
+            if stream.delay_s:
+                await asyncio.sleep(stream.delay_s)  # backing off: every owner was busy
+            if self.assembly.stopped:
+                return
             if stream.data_address is not None:
                 await self.client._stream_data_plane(stream, self.assembly, self.cancels)
             else:

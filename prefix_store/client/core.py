@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from vericache.v1 import prefix_store_pb2 as pb
@@ -49,13 +49,20 @@ from prefix_store.client.plan import (
     settle,
     signed_chunks,
 )
-from prefix_store.client.retry import Attempts, rpc_error
+from prefix_store.client.retry import Attempts, backoff, rpc_error
 from prefix_store.config import ClientConfig
-from prefix_store.errors import DataLoss, InvalidArgument, NotFound, StoreError, Unavailable
+from prefix_store.errors import (
+    DataLoss,
+    InvalidArgument,
+    LimitExceeded,
+    NotFound,
+    StoreError,
+    Unavailable,
+)
 from prefix_store.layout import KVLayout
 from prefix_store.provenance import Signer, Verifier
 from prefix_store.shard import validate_tokens
-from prefix_store.status import FAILOVER
+from prefix_store.status import BUSY_RETRY_MS, FAILOVER, busy_retry_s
 
 log = logging.getLogger("prefix_store.client")
 
@@ -148,6 +155,12 @@ class FetchStream:
     address: str
     data_address: str | None
     """The shard's data plane when the stream goes over it; None: a gRPC Fetch stream."""
+    busy: frozenset[str] = frozenset()
+    """Shards that refused this stream's chunks as busy in this round (not quarantined)."""
+    rounds: int = 0
+    """Rounds in which every owner of the chunks refused them as busy (at most `retries`)."""
+    delay_s: float = 0.0
+    """How long the stream waits before it starts (backing off after a busy round)."""
 
 
 def failover_error(error: BaseException) -> StoreError | None:
@@ -156,6 +169,17 @@ def failover_error(error: BaseException) -> StoreError | None:
         return rpc_error(error) if error.code() in FAILOVER else None
     if isinstance(error, Unavailable | DataLoss | NotFound):
         return error
+    return None
+
+
+def busy_wait_s(error: BaseException) -> float | None:
+    """Seconds to wait when a fetch stream was refused by its shard's bounds (gRPC
+    RESOURCE_EXHAUSTED marked `retry-after-ms`, or the data plane's in-band refusal), so
+    that it tries a replica or waits instead of failing; None for any other failure."""
+    if isinstance(error, grpc.RpcError):
+        return busy_retry_s(error)
+    if isinstance(error, LimitExceeded):
+        return BUSY_RETRY_MS / 1000
     return None
 
 
@@ -483,6 +507,9 @@ class FetchRoute:
         """The streams that continue a failed one (none: the fetch failed or was closed)."""
         if self.assembly.closed:
             return []
+        wait = busy_wait_s(error)
+        if wait is not None:
+            return self._busy(stream, typed(error), wait)
         cause = failover_error(error)
         if cause is None:
             self.assembly.fail(typed(error))
@@ -493,20 +520,52 @@ class FetchRoute:
         resume = self.assembly.first_missing_layer(stream.chunks)
         return self._spread(stream.chunks, resume, stream.failed | {stream.shard_id}, cause)
 
-    def _spread(
-        self, chunks: list, layer_from: int, failed: frozenset = frozenset(), cause=None
-    ) -> list[FetchStream]:
-        """Streams for `chunks` from `layer_from` on their best owners not in `failed`; when
-        none is left, the fetch fails with what the last owner said."""
+    def _busy(self, stream: FetchStream, cause: StoreError, wait: float) -> list[FetchStream]:
+        """A shard refused the stream by its bounds (busy, or the tenant over its share
+        there): the chunks move to a replica that has not refused them (the shard is not
+        quarantined: it is up); once every owner refused them, they go round again after a
+        backoff of at least `wait`, at most `retries` rounds; then the fetch fails with the
+        refusal (RESOURCE_EXHAUSTED naming the limit)."""
+        log.info("fetch: %s refused a stream as busy (%s)", stream.shard_id, cause)
+        resume = self.assembly.first_missing_layer(stream.chunks)
+        busy = stream.busy | {stream.shard_id}
         try:
-            groups = self.core.groups(chunks, failed)
+            self.core.groups(stream.chunks, stream.failed | busy)
+        except NotFound:
+            rounds = stream.rounds + 1
+            if rounds >= self.core.config.retries:
+                self.assembly.fail(cause)
+                return []
+            delay = max(wait, backoff(self.core.config, rounds))
+            return self._spread(stream.chunks, resume, stream.failed, cause, (), rounds, delay)
+        return self._spread(stream.chunks, resume, stream.failed, cause, busy, stream.rounds)
+
+    def _spread(
+        self,
+        chunks: list,
+        layer_from: int,
+        failed: frozenset = frozenset(),
+        cause=None,
+        busy=frozenset(),
+        rounds: int = 0,
+        delay_s: float = 0.0,
+    ) -> list[FetchStream]:
+        """Streams for `chunks` from `layer_from` on their best owners not in `failed` (nor
+        `busy`); when none is left, the fetch fails with what the last owner said."""
+        try:
+            groups = self.core.groups(chunks, failed | frozenset(busy))
         except NotFound as error:
             self.assembly.fail(exhausted(error, failed, cause))
             return []
         if layer_from >= self.assembly.layer_end or self.assembly.stopped:
             return []
         return [
-            self._stream(shard_id, lane, part, layer_from, failed)
+            replace(
+                self._stream(shard_id, lane, part, layer_from, failed),
+                busy=frozenset(busy),
+                rounds=rounds,
+                delay_s=delay_s,
+            )
             for shard_id, lane, part in lanes(groups, self.core.config.streams)
         ]
 

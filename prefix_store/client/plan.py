@@ -55,6 +55,10 @@ class Topology:
     placement for a grace period, and calls route around them (see `client.membership`)."""
     attention_kernels: dict[str, str] = field(default_factory=dict)
     """shard id -> the attention kernel it serves Attend with (shards without one are absent)"""
+    weight: float = 1.0
+    """The tenant's weight in servers' fair shares (decoders and routers share by it)."""
+    admin: bool = False
+    """Whether the tenant has the admin role (reserved call slots)."""
 
     @classmethod
     def from_proto(cls, response) -> Topology:
@@ -67,6 +71,8 @@ class Topology:
             attention_kernels={
                 s.shard_id: s.attention_kernel for s in response.shards if s.attention_kernel
             },
+            weight=response.weight if response.weight > 0 else 1.0,
+            admin=response.admin,
         )
 
     @property

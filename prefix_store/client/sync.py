@@ -10,6 +10,7 @@ shard, on separate connections) straight into caller-owned tensors.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 
@@ -42,6 +43,18 @@ from prefix_store.provenance import Signer, Verifier
 from prefix_store.tls import make_channel
 
 __all__ = ["FetchHandle", "PublishResult", "StoreClient", "receive"]
+
+
+def backed_off(assembly, delay_s: float) -> bool:
+    """Wait `delay_s` (every owner refused a stream as busy); False if the fetch stopped
+    meanwhile."""
+    until = time.monotonic() + delay_s
+    while not assembly.stopped:
+        left = until - time.monotonic()
+        if left <= 0:
+            return True
+        time.sleep(min(0.05, left))
+    return False
 
 
 def outcome(call, *args):
@@ -266,6 +279,8 @@ class StoreClient:
 
     def _stream(self, handle: FetchHandle, route: FetchRoute, stream: FetchStream) -> None:
         try:
+            if stream.delay_s and not backed_off(handle.assembly, stream.delay_s):
+                return
             if stream.data_address is not None:
                 self._stream_data_plane(handle, stream)
             else:

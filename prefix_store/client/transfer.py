@@ -32,13 +32,18 @@ from prefix_store.data_plane import (
     send_buffers,
     tune,
 )
-from prefix_store.errors import StoreError, Unavailable
+from prefix_store.errors import LimitExceeded, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.status import error_of
 
 
-def in_band_error(sock: socket.socket, size: int) -> StoreError:
+def in_band_error(sock: socket.socket, size: int, fetch: bool = False) -> StoreError:
+    """The typed error of an in-band error frame. On a fetch, RESOURCE_EXHAUSTED comes only
+    from the plane's bounds refusing the connection (`LimitExceeded`: the fetch tries a
+    replica or waits, see `client.core.busy_wait_s`)."""
     code, message = read_error(sock, size)
+    if fetch and code == "RESOURCE_EXHAUSTED":
+        return LimitExceeded(f"data plane: {message}")
     status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNAVAILABLE)
     return error_of(status, f"data plane: {message}")
 
@@ -121,7 +126,7 @@ def receive(
                     return
                 magic, layer, count, size = read_frame_header(sock)
                 if magic == ERROR:
-                    raise in_band_error(sock, size)
+                    raise in_band_error(sock, size, fetch=True)
                 want = (CHECKED, layer_from + step, len(chunks), expected)
                 if (magic, layer, count, size) != want:
                     raise Unavailable(

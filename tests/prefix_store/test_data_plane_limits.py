@@ -1,7 +1,8 @@
 """The data plane under hostile or broken clients: it survives running out of file
-descriptors, cuts idle and too-slow connections, caps connections and tickets, and lets a
-ticket be redeemed only from the address it was issued to. A real listener on loopback,
-raw sockets as clients."""
+descriptors, cuts idle and too-slow connections, shares connections and tickets fairly (no
+tenant, nor any unauthenticated peer, can take them all), and lets a ticket be redeemed
+only from the address it was issued to. A real listener on loopback, raw sockets as
+clients (a second loopback address, 127.0.0.2, plays another host)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from prefix_store.data_plane import (
     redemption,
     token_key,
 )
-from prefix_store.errors import StoreFull
+from prefix_store.errors import LimitExceeded
 
 
 @pytest.fixture
@@ -41,8 +42,10 @@ def plane_with():
         plane.stop()
 
 
-def connect(plane: DataPlane, timeout: float = 5.0) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", plane.port), timeout=timeout)
+def connect(plane: DataPlane, timeout: float = 5.0, source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.create_connection(
+        ("127.0.0.1", plane.port), timeout=timeout, source_address=(source, 0)
+    )
     sock.settimeout(timeout)
     return sock
 
@@ -112,21 +115,95 @@ def test_a_too_slow_reader_is_cut_at_its_deadline_and_its_transfer_released(plan
         assert time.monotonic() - start < 10  # the idle timeout (30 s) did not do it
 
 
-def test_connections_beyond_the_cap_are_told_so(plane_with):
-    plane = plane_with(max_connections=2)
-    with connect(plane), connect(plane):
-        time.sleep(0.2)
-        with connect(plane) as third:
-            assert answer(third) == ("UNAVAILABLE", "data plane: too many connections")
+def test_unauthenticated_connections_cannot_take_every_connection(plane_with):
+    """A peer that opens connections and sends nothing (finding 5): it holds at most its
+    share of the connections still opening, each for the handshake deadline only, while
+    another host's tenant redeems its ticket at once."""
+    plane = plane_with(max_opening=8, opening_per_peer=4, handshake_s=3.0, idle_s=60.0)
+    hostile = [connect(plane) for _ in range(4)]
+    try:
+        with connect(plane) as fifth:
+            code, message = answer(fifth)
+        assert code == "RESOURCE_EXHAUSTED"
+        assert "peer '127.0.0.1'" in message and "per-peer limit 4" in message
+        ran = threading.Event()
+        ticket = plane.issue(lambda conn: ran.set(), lambda: None, "127.0.0.2", tenant="victim")
+        with connect(plane, source="127.0.0.2") as sock:
+            sock.sendall(redemption(ticket, "any"))
+            assert ran.wait(5)
+        start = time.monotonic()
+        assert all(closed_within(sock, 10) for sock in hostile)  # the handshake deadline
+        assert time.monotonic() - start < 8  # not the idle timeout (60 s)
+    finally:
+        for sock in hostile:
+            sock.close()
 
 
-def test_outstanding_tickets_are_capped(plane_with):
-    plane = plane_with(max_tickets=2)
-    released = []
-    for _ in range(2):
-        plane.issue(lambda conn: None, lambda: released.append(1))
-    with pytest.raises(StoreFull, match="max_tickets 2"):
-        plane.issue(lambda conn: None, lambda: None)
+def test_a_tenant_holds_at_most_its_share_of_transfer_connections(plane_with):
+    plane = plane_with(max_connections=4)
+    release = threading.Event()
+    running = []
+
+    def run(conn: socket.socket) -> None:
+        running.append(1)
+        release.wait(10)
+
+    tickets = [plane.issue(run, lambda: None, tenant="hog") for _ in range(3)]
+    socks = [connect(plane) for _ in tickets]
+    try:
+        for sock, ticket in zip(socks[:2], tickets[:2], strict=True):
+            sock.sendall(redemption(ticket, "any"))
+        deadline = time.monotonic() + 5
+        while len(running) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(running) == 2  # alone: 4 less a newcomer's share
+        socks[2].sendall(redemption(tickets[2], "any"))
+        code, message = answer(socks[2])
+        assert code == "RESOURCE_EXHAUSTED" and "data-plane connections" in message
+        other = threading.Event()
+        ticket = plane.issue(lambda conn: other.set(), lambda: None, tenant="other")
+        with connect(plane) as sock:  # another tenant still finds a connection
+            sock.sendall(redemption(ticket, "any"))
+            assert other.wait(5)
+    finally:
+        release.set()
+        for sock in socks:
+            sock.close()
+
+
+def test_one_tenant_refreshing_tickets_cannot_take_them_all(plane_with):
+    """A tenant that keeps asking for tickets (cheap OpenFetch calls) gets its share of
+    them; another tenant still gets tickets, and redeemed or expired ones are given back."""
+    plane = plane_with(max_tickets=8, ticket_ttl_s=1.0)
+    closed = []
+    issued = []
+    with pytest.raises(LimitExceeded, match=r"'hog'.*data-plane tickets.*fair share is 4 of 8"):
+        while True:
+            issued.append(plane.issue(lambda conn: None, lambda: closed.append(1), tenant="hog"))
+    assert len(issued) == 4
+    for name in ("victim", "another"):
+        plane.issue(lambda conn: None, lambda: None, tenant=name)
+    deadline = time.monotonic() + 10  # they expire: the hog may ask again
+    while len(closed) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(closed) == 4
+    plane.issue(lambda conn: None, lambda: None, tenant="hog")
+
+
+def test_a_heavier_tenant_gets_more_tickets(plane_with):
+    """Two tenants asking in turn: weight 2 gets twice the tickets of weight 1."""
+    plane = plane_with(max_tickets=12)
+    weights = {"heavy": 2.0, "light": 1.0}
+    counts = dict.fromkeys(weights, 0)
+    going = set(weights)
+    while going:
+        for name in sorted(going):
+            try:
+                plane.issue(lambda conn: None, lambda: None, tenant=name, weight=weights[name])
+                counts[name] += 1
+            except LimitExceeded:
+                going.discard(name)
+    assert counts == {"heavy": 6, "light": 3}  # 12 * 2/4 and 12 * 1/4: a newcomer's 3 free
 
 
 def test_a_ticket_is_redeemable_only_from_its_address(plane_with):

@@ -47,18 +47,22 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("tenant", "namespaces", "shards", "replication", "max_message_bytes")
+    __slots__ = ("tenant", "namespaces", "shards", "replication", "max_message_bytes", "weight", "admin")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     replication: int
     max_message_bytes: int
-    def __init__(self, tenant: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., replication: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    weight: float
+    admin: bool
+    def __init__(self, tenant: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., replication: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., weight: _Optional[float] = ..., admin: bool = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "layout", "token_ids", "chunk_indices")
