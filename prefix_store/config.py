@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefix_store.data_plane import DataPlaneLimits
+from prefix_store.layout import LayoutBounds
 from prefix_store.limits import CallBounds
 from prefix_store.metrics import MetricsConfig
+from prefix_store.pace import PutBounds
 from prefix_store.throttle import AuthBounds
 from prefix_store.tls import TLSClientConfig, TLSConfig
 
@@ -38,12 +40,30 @@ class ShardConfig:
     message_bytes: int = 4 * MiB
     """Target size of one Fetch message (segments are batched up to it)."""
     max_message_bytes: int = 64 * MiB
-    """Largest gRPC message accepted or sent."""
-    max_put_bytes: int = 8 * GiB
+    """Largest gRPC message accepted or sent (Put segment batches, PutArtifact data); the
+    transport refuses anything over it plus `REQUEST_SLACK` before a handler runs."""
+    max_request_bytes: int = 8 * MiB
+    """Largest request of a unary method (Lookup, Delete, OpenPut, OpenFetch...) and largest
+    Put header (at most `max_message_bytes`): refused INVALID_ARGUMENT before it is parsed.
+    Describe, Stats and FetchArtifact requests are bounded lower (`server.SMALL_REQUEST`)."""
+    max_tokens: int = 1 << 20
+    """Token ids in one request (Lookup, Delete, a Put header): checked before they are
+    read into a list."""
+    max_put_bytes: int = 4 * GiB
     """Largest single Put or PutArtifact stream."""
     receive_bytes: int = 8 * GiB
-    """Bytes of puts being received at once (all callers): they are buffered until their
-    commit; beyond this a put is refused (RESOURCE_EXHAUSTED) before it is received."""
+    """Bytes of puts being received at once (all callers), buffered until their commit.
+    Only bytes that arrived are held, within each tenant's fair share of this
+    (`prefix_store.shares`: a tenant alone may hold half); a put beyond its tenant's share is
+    refused (RESOURCE_EXHAUSTED), at its header when its declared size already is."""
+    puts: PutBounds = field(default_factory=PutBounds)
+    """Absolute deadline and minimum rate of every put stream (`prefix_store.pace`)."""
+    layouts: LayoutBounds = field(default_factory=LayoutBounds)
+    """Per-dimension limits of the layouts this shard stores and looks up."""
+    scrub_rate: float = 16 * MiB
+    """Bytes per second the background scrubber re-reads at rest (both tiers) to check
+    their CRC-32C (`prefix_store.scrub`); a corrupt blob is dropped as a corrupt read
+    drops it. 0: no scrubber."""
     workers: int = 32
     """gRPC server threads (concurrent RPCs)."""
     calls: CallBounds = field(default_factory=CallBounds)
@@ -76,6 +96,10 @@ class ShardConfig:
     def __post_init__(self) -> None:
         if self.receive_bytes < self.max_put_bytes:
             raise ValueError("receive_bytes must be >= max_put_bytes (or no such put fits)")
+        if self.max_request_bytes < 64 * 1024:
+            raise ValueError("max_request_bytes must be >= 64 KiB")
+        if self.max_tokens < 1 or self.scrub_rate < 0:
+            raise ValueError("max_tokens must be >= 1 and scrub_rate >= 0")
         if self.calls.total + self.calls.reserved >= self.workers:
             raise ValueError(
                 "calls.total + calls.reserved must be below workers (threads for health checks)"

@@ -53,5 +53,10 @@ class KernelMismatch(StoreError):
     another one, whose bits would differ): the caller pulls the KV instead."""
 
 
+class DeadlineExceeded(StoreError):
+    """A stream fell below its minimum rate or passed its absolute deadline (see
+    `prefix_store.pace`): it was cut and nothing of it was stored."""
+
+
 class Aborted(StoreError):
     """A two-phase put ended before its commit; nothing of it was stored."""

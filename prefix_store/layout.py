@@ -17,6 +17,43 @@ MAX_LAYERS = 1024
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_CHUNK_TOKENS = 65536
+"""Absolute limits of any layout; a shard accepts a narrower range (`LayoutBounds`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutBounds:
+    """The layouts a shard stores and looks up: per-dimension limits (within the absolute
+    MAX_* ones), so that no request can declare a token or a chunk of absurd size. Room
+    for real models (hundreds of layers, MHA with 128 heads, MLA's 576-wide latent) and
+    for the synthetic layouts of the LMCache gateway and the benchmarks (1 x 1 x 1)."""
+
+    max_layers: int = 512
+    max_kv_heads: int = 256
+    max_head_dim: int = 1024
+    min_chunk_tokens: int = 16
+    """Smaller chunks make a key (a hash, a lookup probe) per few tokens: 1 would be one
+    per token."""
+    max_chunk_tokens: int = 4096
+    max_itemsize: int = 4
+    """Bytes per element (float32 is 4)."""
+    max_token_bytes: int = 64 << 20
+    """K and V of one token over all layers (num_layers * 2 * kv_heads * head_dim *
+    itemsize): 9 MiB for a 96-layer, 96-head float32 model."""
+
+    def check(self, layout: KVLayout, where: str = "layout") -> None:
+        """InvalidArgument naming the first dimension of `layout` out of these bounds."""
+        for name, value, low, high in (
+            ("num_layers", layout.num_layers, 1, self.max_layers),
+            ("num_kv_heads", layout.num_kv_heads, 1, self.max_kv_heads),
+            ("head_dim", layout.head_dim, 1, self.max_head_dim),
+            ("chunk_tokens", layout.chunk_tokens, self.min_chunk_tokens, self.max_chunk_tokens),
+            ("dtype size", layout.itemsize, 1, self.max_itemsize),
+            ("bytes per token", layout.chunk_bytes(1), 1, self.max_token_bytes),
+        ):
+            if not low <= value <= high:
+                raise InvalidArgument(
+                    f"{where}.{name}: {value} is not within this shard's limits [{low}, {high}]"
+                )
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,11 @@ import functools
 import logging
 import struct
 import threading
+import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -47,7 +49,9 @@ from prefix_store.limits import CallLimits, IdleStreams, TenantSlots
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.metrics import metrics_endpoint
 from prefix_store.namespace import OWNER
+from prefix_store.pace import Pace, Pacer, PutBounds
 from prefix_store.provenance import Proof
+from prefix_store.scrub import Scrubber
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
 from prefix_store.shard_metrics import ShardMetrics
 from prefix_store.shares import FairShare
@@ -58,7 +62,13 @@ log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.PrefixStore"
 MAX_CHUNKS_PER_FETCH = 1 << 16
 MAX_SPEC = 256
-TRANSPORT_SLACK = 2
+REQUEST_SLACK = 1 << 20
+"""The transport accepts messages up to `max_message_bytes` plus this, so that one a little
+over the limit gets INVALID_ARGUMENT naming it; beyond, gRPC answers RESOURCE_EXHAUSTED
+before any handler runs."""
+SMALL_REQUEST = 64 * 1024
+"""Largest request of Describe, Stats and FetchArtifact (they carry a few names)."""
+SMALL_REQUESTS = frozenset({"Describe", "Stats", "FetchArtifact"})
 
 
 REQUESTS = {
@@ -197,6 +207,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.quota = QuotaGuard(metadata, config.shard_id)
         self.limits = CallLimits(config.calls)
         self.idle = IdleStreams(config.calls.stream_idle_s)
+        self.pacer = Pacer()
+        """Cuts put streams past their deadline or below their minimum rate (`pace`)."""
         self.kernel = attend.kernel_fingerprint(config.attention)
         """The attention kernel this shard serves Attend with ("" = none)."""
         self.attend_slots = TenantSlots(config.max_attend_streams_per_tenant, "Attend streams")
@@ -208,12 +220,18 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         self.attend_stats = attend.AttendStats()
         self.metrics = ShardMetrics(self, config.metrics.tenant_labels if config.metrics else 32)
 
-    def check_size(self, name: str, nbytes: int) -> None:
-        if nbytes > self.config.max_message_bytes:
+    def check_size(self, name: str, nbytes: int, limit: int | None = None) -> None:
+        limit = self.config.max_message_bytes if limit is None else limit
+        if nbytes > limit:
             raise InvalidArgument(
-                f"{name}: a message of {nbytes} bytes exceeds the limit of "
-                f"{self.config.max_message_bytes} bytes"
+                f"{name}: a message of {nbytes} bytes exceeds the limit of {limit} bytes"
             )
+
+    def request_limit(self, method: str) -> int:
+        """The largest request `method` (one with a single request, or a Put header) takes."""
+        if method in SMALL_REQUESTS:
+            return SMALL_REQUEST
+        return min(self.config.max_request_bytes, self.config.max_message_bytes)
 
     def admit(self, tenant: Tenant):
         """One of `tenant`'s call slots: its fair share, weighted, or the admin pool."""
@@ -230,13 +248,16 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         if method in STREAMS:
             raw = self.idle.watch(context, iter(raw))
             return self._messages(STREAMS[method], raw) if STREAMS[method] else raw
-        self.check_size(REQUESTS[method].__name__, len(raw))
+        self.check_size(REQUESTS[method].__name__, len(raw), self.request_limit(method))
         return parse(REQUESTS[method], raw)
 
     def _messages(self, message_class, raws):
         for raw in raws:
             self.check_size(message_class.__name__, len(raw))
-            yield parse(message_class, raw)
+            message = parse(message_class, raw)
+            del raw
+            yield message
+            del message  # neither is kept while the next one is awaited
 
     def _caller(self, call: Call, namespace: str | None = None):
         tenant = call.tenant
@@ -302,31 +323,56 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 
     @unary
     def Put(self, request_iterator, context):
-        """Requests arrive serialised (see `wire`): segments are parsed without copies. The
-        put's bytes stay reserved until it commits or ends (`PutSession.close`)."""
+        """Requests arrive serialised (see `wire`): each segment is parsed as a view of its
+        message and copied into the put's own buffers (the message is not kept). The bytes
+        that arrived stay reserved until the put commits or ends (`PutSession.close`); the
+        stream keeps to its deadline and minimum rate (`pace`)."""
+        pace = Pace(self.config.puts, 0)
+        with self.pacer.watch(context, pace):
+            return self._put(client_stream(request_iterator), context, pace)
+
+    def _put(self, messages, context, pace: Pace):
         session = None
         try:
-            for raw in client_stream(request_iterator):
+            for raw in messages:
                 self.check_size("PutRequest", len(raw))
-                part, value = wire.decode_put(raw)
                 if session is None:
-                    if part != "header":
-                        raise InvalidArgument("put: the first message must be a header")
-                    session = self._begin_put(parse(pb.PutHeader, value), context)
-                elif part == "segments":
-                    for layer, chunk, data, _ in value:
-                        session.add(layer, chunk, data)
-                elif part == "commit":
-                    done = session.commit(list(parse(pb.PutCommit, value).crc32c))
-                    return pb.PutResponse(
-                        chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
-                    )
+                    session = self._put_header(raw, context, pace)
                 else:
-                    raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
+                    done = self._put_part(session, raw, pace)
+                    if done is not None:
+                        return done
+                del raw  # nothing of a message is kept while the next one is awaited
             raise Aborted("put: the stream ended before its commit; nothing was stored")
         finally:
             if session is not None:
                 session.close()
+
+    def _put_header(self, raw, context, pace: Pace):
+        part, value = wire.decode_put(raw)
+        if part != "header":
+            raise InvalidArgument("put: the first message must be a header")
+        self.check_size("PutHeader", len(value), self.request_limit("OpenPut"))
+        session = self._begin_put(parse(pb.PutHeader, value), context)
+        pace.declare(session.total_bytes)
+        return session
+
+    @staticmethod
+    def _put_part(session, raw, pace: Pace) -> pb.PutResponse | None:
+        """A message after the header: segments (copied into the session), or the commit
+        (its response)."""
+        part, value = wire.decode_put(raw)
+        if part == "segments":
+            for layer, chunk, data, _ in value:
+                session.add(layer, chunk, data)
+            pace.arrived(sum(len(data) for _, _, data, _ in value))
+            return None
+        if part == "commit":
+            done = session.commit(list(parse(pb.PutCommit, value).crc32c))
+            return pb.PutResponse(
+                chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
+            )
+        raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
 
     def _begin_put(self, header, context):
         tenant, space = self._writer(context, header.namespace)
@@ -338,6 +384,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             tenant.name,
             self.quota,
             header.signatures,
+            getattr(tenant, "weight", None),
         )
 
     def _fetch_args(self, request, context):
@@ -397,7 +444,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         total = session.layer_bytes * session.layout.num_layers
         try:
             ticket = self.data_plane.issue(
-                lambda conn: receive_put(conn, session),
+                lambda conn: receive_put(conn, session, self.config.puts),
                 session.close,
                 peer_host(context.peer()),
                 total,
@@ -445,9 +492,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         ident = first.id
         tenant, space = self._writer(context, ident.namespace)
         layout = layout_of(ident)
+        self.config.layouts.check(layout, "id.layout")
         self._check_spec(ident.compressor)
-        with self._admit_artifact(ident.size, tenant.name):
-            data = self._artifact_data(messages, ident.size)
+        pace = Pace(self.config.puts, ident.size, "put_artifact")
+        with self._admit_artifact(ident.size, tenant) as held, self.pacer.watch(context, pace):
+            data = self._artifact_data(messages, ident.size, held, pace)
         stored = self.shard.put_artifact(
             space,
             layout,
@@ -461,29 +510,38 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         )
         return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
 
-    def _admit_artifact(self, size: int, owner: str) -> Reservation:
+    def _admit_artifact(self, size: int, tenant: Tenant) -> Reservation:
         """Refuse an artifact by its declared size, before any of its bytes is buffered."""
         if not 0 < size <= self.config.max_put_bytes:
             raise InvalidArgument(
                 f"id.size: {size} is not in [1, {self.config.max_put_bytes}] (declare the "
                 "artifact's size before its data)"
             )
-        return self.shard.reserve(owner, self.quota(owner), size, size, room=True)
+        owner, weight = tenant.name, getattr(tenant, "weight", None)
+        return self.shard.reserve(owner, self.quota(owner), size, size, True, weight)
 
-    def _artifact_data(self, messages, declared: int) -> bytes:
-        parts, size = [], 0
+    def _artifact_data(self, messages, declared: int, held: Reservation, pace: Pace):
+        """The artifact's bytes, copied as they arrive into one buffer of the declared size
+        (each part held in the receive budget first); checked against its CRC-32C."""
+        buffer, size = None, 0
         for message in messages:
             part = message.WhichOneof("part")
             if part == "data":
                 self.check_size("PutArtifactRequest", message.ByteSize())
-                size += len(message.data)
-                if size > declared:
+                n = len(message.data)
+                if size + n > declared:
                     raise InvalidArgument(f"data: more than the declared id.size ({declared})")
-                parts.append(message.data)
+                held.grow(n)
+                if buffer is None:
+                    buffer = np.empty(declared, dtype=np.uint8)
+                memoryview(buffer)[size : size + n] = message.data
+                size += n
+                pace.arrived(n)
+                del message  # not kept while the next one is awaited
             elif part == "crc32c":
                 if size != declared:
                     raise InvalidArgument(f"data: {size} bytes arrived, {declared} declared")
-                data = b"".join(parts)
+                data = memoryview(buffer).toreadonly()
                 if crc32c(data) != message.crc32c:
                     raise InvalidArgument("crc32c: the artifact arrived corrupted")
                 return data
@@ -511,7 +569,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         for start in range(0, len(data), step):
             first, last = start == 0, start + step >= len(data)
             yield pb.FetchArtifactResponse(
-                data=data[start : start + step],
+                data=bytes(data[start : start + step]),  # stored as bytes or a view
                 total_bytes=len(data) if first else 0,
                 crc32c=crc if last else 0,
                 signature=proof.signature if first else b"",
@@ -614,6 +672,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             # Faults survived: blobs that failed their checksum, evicted blobs lost to a
             # failed disk write, disk write errors, unusable files dropped at start-up.
             "corrupt": stats.corrupt,
+            "scrub_corrupt": stats.scrub_corrupt,
+            "scrubbed_bytes": stats.scrubbed_bytes,
             "lost_spills": stats.lost_spills,
             "disk_write_errors": self.shard.disk.write_errors,
             "disk_rejected": len(self.shard.disk.rejected),
@@ -626,10 +686,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
 def server_options(config: ShardConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
-        # The transport accepts up to twice the limit, so that a message over the limit (but
-        # under the cap) gets INVALID_ARGUMENT naming it; beyond the cap gRPC itself
-        # answers RESOURCE_EXHAUSTED before any handler runs.
-        ("grpc.max_receive_message_length", TRANSPORT_SLACK * config.max_message_bytes),
+        # gRPC has one receive limit for every method: the streams' messages (Put segment
+        # batches, PutArtifact data) need `max_message_bytes`; a little more lets one over
+        # it get INVALID_ARGUMENT naming the limit (`REQUEST_SLACK`). Unary requests are
+        # bounded lower by their handlers before they are parsed (`request_limit`).
+        ("grpc.max_receive_message_length", config.max_message_bytes + REQUEST_SLACK),
         ("grpc.http2.lookahead_bytes", 16 << 20),
         ("grpc.http2.bdp_probe", 1),
         ("grpc.so_reuseport", 0),
@@ -639,10 +700,14 @@ def server_options(config: ShardConfig) -> list[tuple[str, int]]:
     ]
 
 
-def receive_put(conn, session) -> None:
+def receive_put(conn, session, bounds: PutBounds) -> None:
     """The data-plane side of OpenPut: every layer frame straight into the session's
-    buffers, then the commit frame; answers with the PutResponse."""
+    buffers, then the commit frame; answers with the PutResponse. The transfer keeps to
+    `bounds` (`pace`): one past its deadline or below its minimum rate is cut with a
+    DEADLINE_EXCEEDED frame."""
     layout = session.layout
+    pace = Pace(bounds, session.total_bytes)
+    idle = conn.gettimeout()
     for layer in range(layout.num_layers):
         magic, got, chunks, size = read_frame_header(conn)
         if (magic, got, chunks, size) != (OK, layer, len(session.indices), session.layer_bytes):
@@ -651,7 +716,7 @@ def receive_put(conn, session) -> None:
                 f"({session.layer_bytes} bytes), got {(magic, got, chunks, size)}"
             )
         for view in session.layer_views(layer):
-            recv_exact(conn, view)
+            recv_paced(conn, view, pace, idle)
     magic, _, chunks, size = read_frame_header(conn)
     if magic != COMMIT or chunks != len(session.indices) or size != 4 * chunks:
         raise InvalidArgument("frame: expected the commit frame with one CRC-32C per chunk")
@@ -662,6 +727,25 @@ def receive_put(conn, session) -> None:
         chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
     ).SerializeToString()
     conn.sendall(HEADER.pack(DONE, 0, 0, len(reply)) + reply)
+
+
+def recv_paced(conn, view: memoryview, pace: Pace, idle: float | None) -> None:
+    """Fill a flat view from `conn`, counting what arrives against `pace`: waits no longer
+    than the pace allows (DeadlineExceeded) nor than `idle` (the socket's timeout)."""
+    while view.nbytes:
+        wait = max(0.001, pace.due() - time.monotonic())
+        conn.settimeout(wait if idle is None else min(idle, wait))
+        try:
+            n = conn.recv_into(view)
+        except TimeoutError:
+            pace.check()
+            if idle is not None and wait >= idle:
+                raise
+            continue
+        if n == 0:
+            raise ConnectionError("the peer closed the data connection mid-transfer")
+        view = view[n:]
+        pace.arrived(n)
 
 
 def _same(raw: bytes) -> bytes:
@@ -742,6 +826,7 @@ class ShardServer:
         )  # fmt: skip
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        self.scrubber = Scrubber(self.shard, config.scrub_rate) if config.scrub_rate else None
 
     def start(self) -> str:
         self.server.start()
@@ -751,6 +836,8 @@ class ShardServer:
             self.metrics.start()
         self._heartbeat()
         self._beat.start()
+        if self.scrubber is not None:
+            self.scrubber.start()
         log.info("shard %s serving on %s", self.config.shard_id, self.address)
         return self.address
 
@@ -783,5 +870,7 @@ class ShardServer:
             self.data_plane.stop()
         if self.metrics is not None:
             self.metrics.stop()
+        if self.scrubber is not None:
+            self.scrubber.stop()
         self.server.stop(self.config.grace_s if grace_s is None else grace_s).wait()
         self.shard.flush()

@@ -9,6 +9,7 @@ knows about tenants' tokens or gRPC: callers pass resolved namespaces and owners
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
@@ -24,8 +25,10 @@ from prefix_store.blob import Blob, BlobId, combined_crc, crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import head_major
 from prefix_store.errors import (
+    Aborted,
     DataLoss,
     InvalidArgument,
+    LimitExceeded,
     NotFound,
     QuotaExceeded,
     StoreFull,
@@ -42,6 +45,7 @@ from prefix_store.provenance import (
     content_digest,
     token_digests,
 )
+from prefix_store.shares import FairShare
 from prefix_store.tiers import DiskTier, MemoryTier
 from prefix_store.tiers.disk import DiskIO, Write
 
@@ -61,6 +65,7 @@ class Allowance:
 # so the shard calls it before taking its lock and checks its own usage under the lock.
 QuotaCheck = Callable[[str], Allowance | None]
 MAX_TOKEN_ID = 1 << 31
+ACCOUNTING_SLICE = 4096
 
 
 def chunk_id(namespace: Namespace, key: int) -> BlobId:
@@ -113,13 +118,29 @@ ANYONE = Deletable("", everything=True)
 
 @dataclass(slots=True)
 class Reservation:
-    """Bytes held for a put while they arrive (see `Shard.reserve`); `release` once."""
+    """What a put holds while its bytes arrive (see `Shard.reserve`): `new` bytes of its
+    owner's quota from its header, and of the shard's receive budget only the bytes that
+    arrived (`grow`). `release` once."""
 
     shard: Shard
     owner: str
-    staged: int
+    declared: int
     new: int
+    weight: float | None = None
+    """The owner's weight in the shares (None: `Shard.receiving` reads it)."""
+    staged: int = 0
+    """Bytes received so far, held in the owner's share of `Shard.receiving`."""
     released: bool = False
+
+    def grow(self, nbytes: int) -> None:
+        """Hold `nbytes` more that are about to be buffered (LimitExceeded over the owner's
+        share of the receive budget)."""
+        if self.released:
+            raise Aborted("put: it already ended; nothing was stored")
+        if self.staged + nbytes > self.declared:
+            raise InvalidArgument(f"put: more than the {self.declared} bytes its header declared")
+        self.shard.receiving.acquire(self.owner, nbytes, self.weight)
+        self.staged += nbytes
 
     def release(self) -> None:
         if not self.released:
@@ -161,12 +182,24 @@ class ShardStats:
     """Of which new to this shard."""
     evictions: int = 0
     corrupt: int = 0
+    scrubbed_bytes: int = 0
+    """Bytes at rest the scrubber re-checked (`prefix_store.scrub`)."""
+    scrub_corrupt: int = 0
+    """Of `corrupt`, blobs the scrubber found (dropped before any read met them)."""
     lost_spills: int = 0
     """Blobs evicted from memory whose disk write failed (dropped, like an eviction)."""
     usage: Counter = field(default_factory=Counter)
 
 
-def validate_tokens(token_ids: Sequence[int], field_name: str = "token_ids") -> list[int]:
+def validate_tokens(
+    token_ids: Sequence[int], field_name: str = "token_ids", limit: int | None = None
+) -> list[int]:
+    """The ids as a list, checked: at most `limit` of them (counted before they are read
+    into a list), each in [0, 2^31)."""
+    if limit is not None and len(token_ids) > limit:
+        raise InvalidArgument(
+            f"{field_name}: {len(token_ids)} token ids exceed the limit of {limit}"
+        )
     ids = list(token_ids)
     if ids and (min(ids) < 0 or max(ids) >= MAX_TOKEN_ID):
         raise InvalidArgument(f"{field_name}: token ids must be in [0, 2^31)")
@@ -179,16 +212,21 @@ def _chunk_tokens(ids: list[int], layout: KVLayout, index: int) -> list[int]:
 
 
 class Shard:
-    def __init__(self, config: ShardConfig) -> None:
+    def __init__(
+        self, config: ShardConfig, weight: Callable[[str], float] = lambda tenant: 1.0
+    ) -> None:
+        """`weight(tenant)`: the tenant's weight in the shares of the receive budget."""
         self.config = config
         self.verifier = Verifier(config.provenance_key) if config.provenance_key else None
         self._lock = threading.RLock()
         self._leases: Counter = Counter()
         self._doomed: set[BlobId] = set()
-        # Puts that committed each blob since this process started (see delete_keys).
-        self._claims: Counter = Counter()
-        # Bytes of puts being received, in all and (new bytes) per owner (see reserve).
-        self._receiving = 0
+        # Per blob, the owners whose puts committed it since this process started, and how
+        # many times each (see delete_keys).
+        self._claims: dict[BlobId, Counter] = {}
+        # Bytes of puts that arrived and are buffered, in tenants' fair shares; and the new
+        # bytes puts being received declared, per owner, held against its quota (reserve).
+        self.receiving = FairShare(config.receive_bytes, "bytes of puts being received", weight)
         self._receiving_new: Counter = Counter()
         self.memory = MemoryTier(config.memory_bytes, self._is_leased)
         disk_dir = Path(config.disk_dir) if config.disk_dir else Path("/nonexistent")
@@ -245,11 +283,9 @@ class Shard:
                 return
             lost_ids = {w.blob.id for w in own}
             for blob in new:
-                self._claims[blob.id] -= 1
-                if self._claims[blob.id] <= 0:
-                    del self._claims[blob.id]
-                    if blob.id not in lost_ids and self._find(blob.id) is not None:
-                        self._drop(blob.id)
+                claimed = self._unclaim(blob.id, blob.owner) > 0
+                if not claimed and blob.id not in lost_ids and self._find(blob.id) is not None:
+                    self._drop(blob.id)
         error = own[0].error  # its message names no path: callers are tenants
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StoreFull(f"shard {self.config.shard_id}: the disk tier is full")
@@ -262,6 +298,19 @@ class Shard:
 
     def _is_leased(self, blob_id: BlobId) -> bool:
         return self._leases[blob_id] > 0
+
+    def _unclaim(self, blob_id: BlobId, owner: str) -> int:
+        """Take one of `owner`'s claims on a blob (if it has one); the claims left."""
+        claims = self._claims.get(blob_id)
+        if claims is None:
+            return 0
+        if claims[owner] > 0:
+            claims[owner] -= 1
+            if claims[owner] <= 0:
+                del claims[owner]
+        if not claims:
+            del self._claims[blob_id]
+        return sum(claims.values())
 
     def _find_live(self, blob_id: BlobId) -> Blob | None:
         """A blob readers may use: not one waiting for its leases to end before removal."""
@@ -278,7 +327,16 @@ class Shard:
             )
 
     def _find(self, blob_id: BlobId) -> Blob | None:
+        """The blob, its recency unchanged (bookkeeping: only reads count as use)."""
+        return self.memory.peek(blob_id) or self.disk.peek(blob_id)
+
+    def _touch(self, blob_id: BlobId) -> Blob | None:
+        """The blob, now the most recently used in its tier (a read)."""
         return self.memory.get(blob_id) or self.disk.get(blob_id)
+
+    def _read_live(self, blob_id: BlobId) -> Blob | None:
+        """As `_find_live`, for a read: the blob becomes the most recently used."""
+        return None if blob_id in self._doomed else self._touch(blob_id)
 
     def _admitted(self, blob: Blob) -> None:
         self.stats.usage[blob.owner] += blob.nbytes
@@ -291,7 +349,12 @@ class Shard:
         if self.stats.usage[blob.owner] <= 0:
             del self.stats.usage[blob.owner]
         if blob.kind == "chunk" and len(blob.tokens) < blob.layout.chunk_tokens:
-            self._partials[(blob.namespace, blob.meta["parent"])].discard(blob.id[2])
+            where = (blob.namespace, blob.meta["parent"])
+            keys = self._partials.get(where)
+            if keys is not None:
+                keys.discard(blob.id[2])
+                if not keys:
+                    del self._partials[where]
 
     def _drop(self, blob_id: BlobId) -> Blob | None:
         """Remove a blob from both tiers (deferred while leased)."""
@@ -348,8 +411,11 @@ class Shard:
     ) -> LookupResult:
         """Which of the requested chunks of `token_ids` are held here; for the first one
         that is not, the longest stored partial chunk that starts it."""
-        ids = validate_tokens(token_ids)
+        self.config.layouts.check(layout)
+        ids = validate_tokens(token_ids, limit=self.config.max_tokens)
         keys = chunk_keys(ids, layout, namespace.salt)
+        if len(indices) > len(keys):
+            raise InvalidArgument(f"chunk_indices: more than the {len(keys)} chunks")
         parents = parent_keys(keys, layout, namespace.salt)
         wanted = sorted(set(indices)) if indices else list(range(len(keys)))
         if wanted and (wanted[0] < 0 or wanted[-1] >= len(keys)):
@@ -364,7 +430,7 @@ class Shard:
                     continue
                 partial = self._longest_partial(namespace, layout, ids, parents, index)
                 if partial[1]:
-                    partial_proof = proof_of(self._find_live(chunk_id(namespace, partial[2])))
+                    partial_proof = proof_of(self._read_live(chunk_id(namespace, partial[2])))
                 break
             self.stats.hits += len(present)
             self.stats.misses += len(wanted) - len(present)
@@ -379,7 +445,9 @@ class Shard:
         if len(tokens) < layout.chunk_tokens:
             return None
         blob = self._find_live(chunk_id(namespace, keys[index]))
-        return blob if self._matches(blob, layout, tokens) else None
+        if not self._matches(blob, layout, tokens):
+            return None
+        return self._read_live(blob.id)
 
     @staticmethod
     def _matches(blob: Blob | None, layout: KVLayout, tokens: list[int]) -> bool:
@@ -406,10 +474,13 @@ class Shard:
         owner: str,
         quota: QuotaCheck,
         signatures: Sequence[bytes] = (),
+        weight: float | None = None,
     ) -> PutSession:
-        return PutSession(
-            self, namespace, layout, validate_tokens(token_ids), indices, owner, quota, signatures
-        )
+        """A put of chunks `indices` of `token_ids`, checked and admitted (`reserve`;
+        `weight`: the owner's in the shares of the receive budget)."""
+        self.config.layouts.check(layout, "header.layout")
+        ids = validate_tokens(token_ids, "header.token_ids", self.config.max_tokens)
+        return PutSession(self, namespace, layout, ids, indices, owner, quota, signatures, weight)
 
     def check_signature(self, statement: bytes, signature: bytes, what: str) -> bool:
         """Whether a put's signature was checked (True) or there was none / no key to
@@ -445,7 +516,7 @@ class Shard:
             for blob in new:
                 self._place(blob)
             for blob in blobs:
-                self._claims[blob.id] += 1
+                self._claims.setdefault(blob.id, Counter())[owner] += 1
             self.stats.received_bytes += sum(b.nbytes for b in blobs)
             self.stats.stored_bytes += new_bytes
         self._settle_change(failed, new)
@@ -527,7 +598,7 @@ class Shard:
         with self._lock:
             blobs = []
             for index, ref in enumerate(refs):
-                blob = self._find_live(chunk_id(namespace, ref.key))
+                blob = self._read_live(chunk_id(namespace, ref.key))
                 if blob is None or blob.layout != layout or len(blob.tokens) != ref.tokens:
                     raise NotFound(f"chunks[{index}]: chunk {ref.key:016x} is not stored here")
                 if ref.digest and proof_of(blob).digest != ref.digest:
@@ -579,6 +650,49 @@ class Shard:
             f"chunk {blob.id[2]:016x}: stored bytes failed their checksum ({where}); "
             "dropped, read it from a replica"
         )
+
+    # ---- scrubbing ---------------------------------------------------------------------
+
+    def scrub_ids(self) -> list[BlobId]:
+        """Every blob held now, for a scrub pass (`prefix_store.scrub`)."""
+        with self._lock:
+            return list(dict.fromkeys(self.memory.ids() + self.disk.ids()))
+
+    def scrub(self, blob_id: BlobId) -> int:
+        """Re-check a blob at rest: every segment against its stored CRC-32C, from the tier
+        that holds it, without a lease (readers, puts and eviction never wait for it) and
+        its recency unchanged. A blob that fails and is still the one read (not replaced
+        or removed meanwhile) is dropped as a corrupt read drops it (counted in
+        `stats.corrupt` and `stats.scrub_corrupt`), never served again. Returns the bytes
+        checked (0: the blob is gone)."""
+        with self._lock:
+            blob = self._find_live(blob_id)
+        if blob is None:
+            return 0
+        for index in range(len(blob.crcs)):
+            fault = self._check_at_rest(blob, index)
+            if fault is not None:
+                with self._lock:
+                    if self._find(blob_id) is not blob:
+                        return 0  # replaced or removed while it was read: not a fault
+                    self.stats.scrub_corrupt += 1
+                with contextlib.suppress(DataLoss):
+                    self._corrupt(blob, fault)
+                break
+        with self._lock:
+            self.stats.scrubbed_bytes += blob.nbytes
+        return blob.nbytes
+
+    def _check_at_rest(self, blob: Blob, index: int) -> str | None:
+        """What is wrong with one stored segment (unreadable, checksum), or None."""
+        try:
+            if blob.data is not None:
+                data = blob.segment(index)
+            else:
+                data = self.disk.read_segment(blob.id, index)
+        except (OSError, KeyError) as error:
+            return f"segment {index} unreadable at rest: {error}"
+        return None if crc32c(data) == blob.crcs[index] else f"segment {index} (at rest)"
 
     # ---- artifacts ---------------------------------------------------------------------
 
@@ -637,7 +751,7 @@ class Shard:
         """The artifact's bytes, its prefix length and its provenance."""
         blob_id = artifact_id(namespace, layout, prefix_key, spec)
         with self._lock:
-            blob = self._find_live(blob_id)
+            blob = self._read_live(blob_id)
             if blob is None:
                 raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
             self._leases[blob_id] += 1
@@ -649,29 +763,43 @@ class Shard:
     # ---- delete, stats, shutdown ------------------------------------------------------
 
     def reserve(
-        self, owner: str, allowance: Allowance | None, staged: int, new: int, room: bool = False
+        self,
+        owner: str,
+        allowance: Allowance | None,
+        declared: int,
+        new: int,
+        room: bool = False,
+        weight: float | None = None,
     ) -> Reservation:
-        """Hold `staged` bytes of the shard's receive budget (`ShardConfig.receive_bytes`)
-        and `new` bytes of `owner`'s quota while a put's bytes arrive, so that concurrent
-        puts cannot together pass checks that each passes alone; `room`: the tiers must
-        have room for `new` too. Refused now (StoreFull, QuotaExceeded) rather than after
-        the bytes were buffered; released by the put's commit or end."""
+        """Admit a put declaring `declared` bytes, `new` of them new to the shard: refused
+        now what cannot fit (new bytes over the owner's quota, counting the puts it has
+        arriving: QuotaExceeded; `room`: no room in the tiers: StoreFull; declared bytes over
+        the owner's share of the receive budget now: LimitExceeded). Holds `new` bytes of the
+        owner's quota from now, so that concurrent puts cannot together pass checks each
+        passes alone, but none of the receive budget: `Reservation.grow` takes that as the
+        bytes arrive (`weight`: the owner's in the shares). Released by the put's commit or
+        end."""
         with self._lock:
-            if self._receiving + staged > self.config.receive_bytes:
-                raise StoreFull(
-                    f"shard {self.config.shard_id}: {self._receiving} bytes of puts are being "
-                    f"received (receive_bytes {self.config.receive_bytes}); retry shortly"
-                )
             self._check_quota(owner, allowance, self._receiving_new[owner] + new)
             if room and not self._room_for(new):
                 raise StoreFull(f"shard {self.config.shard_id}: no room for {new} bytes")
-            self._receiving += staged
+            share = self.receiving.share(owner, weight)
+            if declared > share:
+                raise LimitExceeded(
+                    f"tenant {owner!r}: a put of {declared} bytes exceeds its fair share of "
+                    f"{int(share)} of the {self.config.receive_bytes} bytes of puts this shard "
+                    "receives at once (receive_bytes); retry later or put fewer chunks at once"
+                )
             self._receiving_new[owner] += new
-        return Reservation(self, owner, staged, new)
+        return Reservation(self, owner, declared, new, weight)
+
+    def received(self, owner: str | None = None) -> int:
+        """Bytes of puts arriving that are buffered now (`owner`'s, or everyone's)."""
+        return self.receiving.held(owner)
 
     def _unreserve(self, reservation: Reservation) -> None:
+        self.receiving.release(reservation.owner, reservation.staged)
         with self._lock:
-            self._receiving -= reservation.staged
             self._receiving_new[reservation.owner] -= reservation.new
             if self._receiving_new[reservation.owner] <= 0:
                 del self._receiving_new[reservation.owner]
@@ -685,7 +813,7 @@ class Shard:
     ):
         """Drop every chunk of `token_ids` held here and the artifacts of those prefixes,
         those that `may` allows. Returns (chunks, artifacts, bytes)."""
-        ids = validate_tokens(token_ids)
+        ids = validate_tokens(token_ids, limit=self.config.max_tokens)
         keys = set(chunk_keys(ids, layout, namespace.salt))
         chunks = artifacts = nbytes = 0
         with self._mutating():
@@ -702,10 +830,11 @@ class Shard:
         return chunks, artifacts, nbytes
 
     def delete_keys(self, namespace: Namespace, keys: Sequence[int], may: Deletable = ANYONE):
-        """Undo a put of these chunks: each loses that put's claim and is dropped only when
-        no other put committed it meanwhile (a concurrent publish that found it present
-        keeps it), and when `may` allows. Keys of absent chunks change nothing (no state is
-        kept for them). Returns (chunks dropped, 0, bytes)."""
+        """Undo the caller's put of these chunks: each loses one claim of the caller's own
+        (`may.caller`; another tenant's claims are never touched) and is dropped only when
+        no put claims it any more (a concurrent publish that found it present keeps it),
+        and when `may` allows. Keys of absent chunks change nothing (no state is kept for
+        them). Returns (chunks dropped, 0, bytes)."""
         chunks = nbytes = 0
         with self._mutating():
             for key in set(keys):
@@ -713,10 +842,7 @@ class Shard:
                 blob = self._find(blob_id)
                 if blob is None:
                     continue
-                claims = self._claims.pop(blob_id, 0) - 1  # the undone put's claim goes
-                if claims > 0 or not may(blob):
-                    if claims > 0:
-                        self._claims[blob_id] = claims
+                if self._unclaim(blob_id, may.caller) > 0 or not may(blob):
                     continue
                 self._drop(blob_id)
                 chunks, nbytes = chunks + 1, nbytes + blob.nbytes
@@ -728,10 +854,21 @@ class Shard:
 
     def accounting(self) -> tuple[int, int]:
         """(bytes of the distinct blobs held, bytes charged to their owners): equal unless
-        the accounting is wrong (checked after faults by `make chaos`)."""
+        the accounting is wrong (checked after faults by `make chaos`, on a quiet shard).
+        Summed in slices of ACCOUNTING_SLICE blobs, the lock taken per slice, no blob's
+        recency changed (eviction stays least recently used): a change made meanwhile may
+        show as a passing difference."""
         with self._lock:
-            held = set(self.memory.ids()) | set(self.disk.ids())
-            return sum(self._find(i).nbytes for i in held), sum(self.stats.usage.values())
+            ids = self.memory.ids() + self.disk.ids()
+        held, seen = 0, set()
+        for start in range(0, len(ids), ACCOUNTING_SLICE):
+            with self._lock:
+                for blob_id in ids[start : start + ACCOUNTING_SLICE]:
+                    blob = None if blob_id in seen else self._find(blob_id)
+                    seen.add(blob_id)
+                    held += blob.nbytes if blob is not None else 0
+        with self._lock:
+            return held, sum(self.stats.usage.values())
 
     def counts(self, owner: str | None = None) -> dict[str, int]:
         """Chunks and artifacts held (only `owner`'s when given) and leased blobs."""
@@ -797,12 +934,21 @@ class FetchStream:
 
 
 class PutSession:
-    """One two-phase put: segments are staged privately; `commit` checks and publishes."""
+    """One two-phase put: segments are staged privately; `commit` checks and publishes.
 
-    def __init__(self, shard, namespace, layout, ids, indices, owner, quota, signatures) -> None:
+    Each chunk's bytes land in one buffer of its own, allocated when its first segment
+    arrives and holding exactly the chunk: a received message is copied out of, never kept
+    (its unknown fields or padding pin nothing), and every byte buffered is first held in
+    the owner's share of the receive budget (`Reservation.grow`)."""
+
+    def __init__(
+        self, shard, namespace, layout, ids, indices, owner, quota, signatures, weight=None
+    ) -> None:
         self.shard, self.namespace, self.layout = shard, namespace, layout
         self.owner, self.quota = owner, quota
         keys = chunk_keys(ids, layout, namespace.salt)
+        if len(indices) > len(keys):
+            raise InvalidArgument(f"header.chunk_indices: more than the {len(keys)} chunks")
         self.indices = list(indices)
         self._check_indices(len(keys))
         self.signatures = self._check_signatures(signatures)
@@ -819,23 +965,21 @@ class PutSession:
             )
         sizes = [layout.chunk_bytes(len(t)) for t in self.tokens]
         new = shard.new_bytes(namespace, self.keys, sizes)
-        self.reservation = shard.reserve(owner, quota(owner), total, new)
+        self.reservation = shard.reserve(owner, quota(owner), total, new, weight=weight)
+        self.total_bytes = total
         self.segments: list[list[bytes | memoryview | None]] = [
             [None] * layout.num_layers for _ in self.tokens
         ]
         self.arrays: list[np.ndarray | None] = [None] * len(self.tokens)
         self.received = 0
 
-    @staticmethod
-    def _own(segments: tuple) -> tuple[memoryview, ...]:
-        """The segments copied into one buffer of the chunk's own, so that a stored chunk
-        does not keep whole request messages (shared with other chunks) alive."""
-        size = len(segments[0])
-        buffer = np.empty(size * len(segments), dtype=np.uint8)
-        view = memoryview(buffer)
-        for i, segment in enumerate(segments):
-            view[i * size : (i + 1) * size] = segment
-        return tuple(view[i * size : (i + 1) * size] for i in range(len(segments)))
+    def _slot(self, j: int, layer: int) -> memoryview:
+        """Where layer `layer` of chunk `j` goes in the chunk's own buffer (uninitialised:
+        every byte of it is written before the commit)."""
+        size = self.layout.segment_bytes(len(self.tokens[j]))
+        if self.arrays[j] is None:
+            self.arrays[j] = np.empty(size * self.layout.num_layers, dtype=np.uint8)
+        return memoryview(self.arrays[j])[layer * size : (layer + 1) * size]
 
     def _check_signatures(self, signatures: Sequence[bytes]) -> list[bytes]:
         if signatures and len(signatures) != len(self.indices):
@@ -862,12 +1006,10 @@ class PutSession:
             raise InvalidArgument(f"frame.layer: {layer} is not in [0, {self.layout.num_layers})")
         if any(self.segments[j][layer] is not None for j in range(len(self.indices))):
             raise InvalidArgument(f"frame: layer {layer} sent twice")
+        self.reservation.grow(self.layer_bytes)
         buffers = []
-        for j, tokens in enumerate(self.tokens):
-            size = self.layout.segment_bytes(len(tokens))
-            if self.arrays[j] is None:
-                self.arrays[j] = np.empty(size * self.layout.num_layers, dtype=np.uint8)
-            buffers.append(memoryview(self.arrays[j])[layer * size : (layer + 1) * size])
+        for j in range(len(self.tokens)):
+            buffers.append(self._slot(j, layer))
             self.segments[j][layer] = buffers[-1]
         self.received += len(buffers)
         row_bytes = self.layout.head_dim * self.layout.itemsize
@@ -879,8 +1021,8 @@ class PutSession:
         return sum(self.layout.segment_bytes(len(t)) for t in self.tokens)
 
     def add(self, layer: int, chunk: int, data) -> None:
-        """Stage one segment: `data` (a read-only view of a received message) is kept as it is,
-        so the payload is not copied again."""
+        """Stage one segment: `data` (a view of a received message) is copied into the
+        chunk's own buffer, its bytes first held in the receive budget."""
         if not 0 <= chunk < len(self.indices):
             raise InvalidArgument(f"segment.chunk: {chunk} is not in [0, {len(self.indices)})")
         if not 0 <= layer < self.layout.num_layers:
@@ -893,7 +1035,10 @@ class PutSession:
             )
         if self.segments[chunk][layer] is not None:
             raise InvalidArgument(f"segment: layer {layer} of chunk {chunk} sent twice")
-        self.segments[chunk][layer] = data if isinstance(data, bytes | memoryview) else bytes(data)
+        self.reservation.grow(size)
+        slot = self._slot(chunk, layer)
+        slot[:] = data
+        self.segments[chunk][layer] = slot
         self.received += 1
 
     def commit(self, crcs: Sequence[int]) -> Committed:
@@ -917,8 +1062,6 @@ class PutSession:
         data = tuple(self.segments[j])
         if combined_crc(data) != crc:
             raise InvalidArgument(f"commit.crc32c[{j}]: chunk {j} arrived corrupted")
-        if self.arrays[j] is None:  # gRPC path: views of request messages shared by chunks
-            data = self._own(data)
         self.segments[j] = []
         digest = content_digest(data)
         signature = self.signatures[j] if self.signatures else b""

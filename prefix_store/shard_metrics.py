@@ -112,6 +112,10 @@ class _ShardCollector(Collector):
         for kind in ("corrupt", "lost_spills", "disk_write_errors"):
             faults.add_metric([kind], stats[kind])
         yield faults
+        yield _counter("scrub_corrupt", "Corrupt blobs the scrubber found at rest, dropped "
+                       "(also in faults{kind=corrupt}).", stats["scrub_corrupt"])  # fmt: skip
+        yield _counter("scrubbed_bytes", "Bytes at rest the scrubber re-checked.",
+                       stats["scrubbed_bytes"])  # fmt: skip
         yield _counter("attend_queries", "Near-data attention queries answered.",
                        stats["attend_queries"])  # fmt: skip
         yield _counter("attend_compute_seconds", "Shard time computing attention partials.",

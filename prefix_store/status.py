@@ -32,6 +32,7 @@ _CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
     errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.KernelMismatch: grpc.StatusCode.FAILED_PRECONDITION,
 }
 

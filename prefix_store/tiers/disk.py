@@ -216,6 +216,11 @@ class DiskTier:
         self._index.move_to_end(blob_id)
         return entry.blob
 
+    def peek(self, blob_id: BlobId) -> Blob | None:
+        """The blob's description, or None, leaving its recency as it is."""
+        entry = self._index.get(blob_id)
+        return None if entry is None else entry.blob
+
     def fits(self, nbytes: int) -> bool:
         free = self.capacity - self.used
         free += sum(e.blob.nbytes for i, e in self._index.items() if not self._leased(i))

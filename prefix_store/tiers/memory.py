@@ -36,6 +36,10 @@ class MemoryTier:
             self._blobs.move_to_end(blob_id)
         return blob
 
+    def peek(self, blob_id: BlobId) -> Blob | None:
+        """The blob, or None, leaving its recency as it is (bookkeeping, not a read)."""
+        return self._blobs.get(blob_id)
+
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` could be made room for without touching leased blobs."""
         free = self.capacity - self.used

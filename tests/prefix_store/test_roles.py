@@ -140,7 +140,7 @@ def test_an_artifact_over_quota_is_refused_before_its_bytes_are_sent(store, meta
     ident = pb.ArtifactId(
         layout=LAYOUT.to_proto(pb), prefix_key=7, prefix_tokens=16, compressor="kivi:bits=4"
     )
-    ident.size = 8 << 30
+    ident.size = 4 << 30  # the largest put a shard takes by default (max_put_bytes)
     release = threading.Event()
 
     def messages():
@@ -168,10 +168,11 @@ def test_a_new_tenant_gets_a_finite_default_quota(metadata):
     assert metadata.tenant("newcomer").quota == DEFAULT_QUOTA > 0
 
 
-def test_puts_being_received_hold_their_bytes_so_concurrent_puts_cannot_overrun(store, metadata):
-    """Each put is checked against committed bytes plus those of puts still arriving: the
-    receive budget and the tenant's quota cannot be overrun by many puts at once, and a
-    put that ends unsent gives its bytes back."""
+def test_puts_being_received_hold_only_what_arrived_and_their_quota(store, metadata):
+    """A put's header holds its declared new bytes against its tenant's quota (many puts
+    at once cannot overrun it) but none of the shard's receive budget: only bytes that
+    arrive are held, within the tenant's fair share, and a put declaring more than that
+    share is refused at once."""
     from prefix_store.client.plan import plan_chunks, put_header
     from prefix_store.data_plane import DataPlaneLimits
 
@@ -182,28 +183,25 @@ def test_puts_being_received_hold_their_bytes_so_concurrent_puts_cannot_overrun(
         max_put_bytes=2 * size,
         data_limits=DataPlaneLimits(ticket_ttl_s=1.0),
     )
-    token = metadata.add_tenant("many", 3 * size)
+    token = metadata.add_tenant("many", 10 * size)
     single = metadata.add_tenant("single", size)  # room for one copy of one prefix
 
-    def open_put(client, first: int):
-        tokens = list(range(first, first + len(TOKENS)))
+    def open_put(client, first: int, n: int = len(TOKENS)):
+        tokens = list(range(first, first + n))
         header = put_header(
             "", LAYOUT, tokens, plan_chunks(tokens, LAYOUT, client.topology.salt(""))
         )
         return client._stub(server.address).OpenPut(header, metadata=client._metadata, timeout=10)
 
     with store.client(token) as client:
-        open_put(client, 1000)
-        open_put(client, 2000)  # two puts arriving: the receive budget is full
-        with pytest.raises(grpc.RpcError) as busy:
-            open_put(client, 3000)
-        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "being received" in busy.value.details()
-        time.sleep(2.5)  # the unsent puts' tickets expire: their bytes come back
-        open_put(client, 3000)
-        open_put(client, 4000)
-        time.sleep(2.5)
-        client.publish_prefix(TOKENS, random_kv(LAYOUT, len(TOKENS)), LAYOUT)  # all fine again
+        for first in (1000, 2000, 3000):  # declared, nothing sent: no receive budget held
+            open_put(client, first)
+        assert server.shard.received() == 0
+        with pytest.raises(grpc.RpcError) as over_share:  # alone, a tenant may hold half
+            open_put(client, 4000, 2 * len(TOKENS))
+        assert over_share.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "fair share" in over_share.value.details()
+        client.publish_prefix(TOKENS, random_kv(LAYOUT, len(TOKENS)), LAYOUT)  # meanwhile
     with store.client(single) as client:
         open_put(client, 5000)
         with pytest.raises(grpc.RpcError) as over:  # each alone fits; both do not

@@ -16,7 +16,7 @@ from prefix_store.errors import (
     Unavailable,
 )
 from prefix_store.namespace import Namespace
-from prefix_store.shard import Allowance, ChunkRef, Shard
+from prefix_store.shard import Allowance, ChunkRef, Deletable, Shard
 from tests.prefix_store.conftest import LAYOUT
 
 SPACE = Namespace("tenant:a", "", b"salt-a")
@@ -238,11 +238,12 @@ def test_undoing_a_put_keeps_chunks_that_another_put_committed_meanwhile(tmp_pat
     shared, own = list(range(16)), list(range(16)) + list(range(500, 516))
     (keys_a, _), _ = put(shard, shared)  # publish A stores chunk 0
     put(shard, own)  # publish B commits chunk 0 (present) and its own chunk 1
-    assert shard.delete_keys(SPACE, keys_a)[0] == 0  # A fails elsewhere and undoes
+    writer = Deletable("a")  # both puts were tenant a's
+    assert shard.delete_keys(SPACE, keys_a, writer)[0] == 0  # A fails elsewhere and undoes
     assert shard.lookup(SPACE, LAYOUT, own).cached_tokens == 32  # B's prefix is whole
     lone = list(range(900, 916))
     (keys_c, _), _ = put(shard, lone)
-    assert shard.delete_keys(SPACE, keys_c)[0] == 1  # nobody else relied on it
+    assert shard.delete_keys(SPACE, keys_c, writer)[0] == 1  # nobody else relied on it
     assert shard.lookup(SPACE, LAYOUT, lone).cached_tokens == 0
 
 
