@@ -502,15 +502,19 @@ class DecoderWorker:
             )
         if cached.tokens == 0:
             return self._local_entry(tokens, cancelled)
-        # Per reader, shared namespaces too: the entry's reads go through the caller's own
-        # client, so its quota, shares and audit count them (not the first reader's).
-        key = (client.topology.tenant, cached.namespace, cached.key, cached.tokens, unsigned)
+        owner = client.topology.tenant if not namespace else ""  # private: the caller's own
+        key = (owner, cached.namespace, cached.key, cached.tokens, unsigned)
         with self._lock:
             entry = self._prefixes.get(key)
             if entry is None:
                 source = StoreKVSource(client, cached)
                 entry = _Entry(Prefix(tokens[: cached.tokens], source), cached, unsigned=unsigned)
                 self._prefixes[key] = entry
+            else:
+                # One copy of a shared prefix for all its readers; its reads from now on go
+                # through the latest reader's client (its quota, shares and audit), never a
+                # first reader's, whose token may since have been rotated or removed.
+                entry.prefix.source.client = client
             self._prefixes.move_to_end(key)
             entry.users += 1
             self._evict()
