@@ -187,7 +187,7 @@ class RouterServicer:
         salt = client.topology.salts.get(request.namespace, b"?" + request.namespace.encode())
         which = request.WhichOneof("prompt")
         if which == "token_ids":
-            tokens = list(request.token_ids.ids)
+            tokens = list(request.token_ids.ids[: self.config.affinity_chunks * 256])
         elif which == "text":
             chars = self.config.affinity_chunks * 256 * TEXT_CHARS_PER_TOKEN
             tokens = list(self.tokenizer.encode(request.text[:chars], add_special_tokens=False))

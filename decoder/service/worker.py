@@ -36,7 +36,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
@@ -405,7 +405,8 @@ class DecoderWorker:
                 )
             return self._fits(self.model.encode(request.text, chat=request.chat), limit)
         if which == "token_ids":
-            ids = self._fits(list(request.token_ids.ids), limit)
+            self._fits(request.token_ids.ids, limit)  # its length, before any list is made
+            ids = list(request.token_ids.ids)
             vocab = self.model.config.vocab_size
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
@@ -414,7 +415,7 @@ class DecoderWorker:
         raise BadRequest("prompt: set text or token_ids")
 
     @staticmethod
-    def _fits(ids: list[int], limit: int) -> list[int]:
+    def _fits(ids: Sequence[int], limit: int) -> Sequence[int]:
         if len(ids) > limit:
             raise BadRequest(f"prompt: {len(ids)} tokens exceed the model's context of {limit}")
         return ids

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import grpc
 import pytest
+from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.compressors import parse_compressor
 from decoder.engine import prefill_prefix
 from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
+from decoder.service.status import BadRequest
 from decoder.store_source import kv_layout, publish_source
 from prefix_store.errors import InvalidArgument
 from prefix_store.limits import CallBounds
@@ -82,6 +85,15 @@ def test_prompts_that_cannot_fit_the_context_are_refused_before_work(
             with pytest.raises(InvalidArgument, match=f"context of {limit} tokens"):
                 client.publish(text="word " * (limit * 100))
             assert time.monotonic() - started < 5  # refused before tokenizing
+        huge = dpb.PublishRequest(token_ids=dpb.TokenIds(ids=[13] * 2_000_000))
+        tracemalloc.start()
+        try:
+            with pytest.raises(BadRequest, match="2000000 tokens exceed"):
+                decoder.worker._prompt_ids(huge)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20  # counted, not copied into a list (that is ~16 MB and up)
     finally:
         decoder.stop(0)
 
