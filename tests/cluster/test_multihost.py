@@ -23,6 +23,7 @@ from decoder.loader import default_cache_dir
 from decoder.service.client import DecoderClient, GenerateReply
 from decoder.store_source import kv_layout
 from prefix_store.client import StoreClient
+from tests.cluster.conftest import DRIVER
 
 pytestmark = pytest.mark.multihost
 
@@ -95,6 +96,26 @@ def test_ray_up_places_the_service_on_its_hosts(testbed, cluster):
     storage = {testbed.hosts[name].address for name in ("storage1", "storage2")}
     assert {s.rsplit(":", 1)[0] for s in stores} == storage  # one shard on each storage host
     assert decoder.rsplit(":", 1)[0] == testbed.hosts["decoder1"].address
+
+
+def test_the_clusters_ray_refuses_a_driver_without_its_token(testbed, cluster):
+    """Ray on the hosts `ray up` started requires the token the head made and `ray up`
+    copied: a driver on a worker host with none (nor any ~/.ray/auth_token: an empty home)
+    is refused by the head, so it cannot run code on the cluster; with the copied token
+    file it connects."""
+    host = testbed.hosts["decoder1"]
+    script = base64.b64encode(DRIVER.encode()).decode()
+    head = f"{testbed.hosts['head'].address}:6379"
+    run = (
+        f"echo {script} | base64 -d > /tmp/driver.py; H=$(mktemp -d); "
+        f"env -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH HOME=$H python /tmp/driver.py {head}; "
+        "T=${VERICACHE_HOME:-$HOME/.vericache}/ray_token; "
+        f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$T HOME=$H python /tmp/driver.py {head}"
+    )
+    out = host.ssh(f"source ~/.bashrc; {run}").stdout.splitlines()
+    refused, connected = [line for line in out if line.startswith(("refused:", "connected:"))]
+    assert refused == "refused: ConnectionError"
+    assert connected.startswith("connected:") and int(connected.split()[-1]) > 0
 
 
 def test_publish_on_one_host_generate_on_others(

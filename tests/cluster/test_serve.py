@@ -5,10 +5,12 @@ leaves reachable (Ray only with its token) and readable (its files: the owner al
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
 import stat
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -231,3 +233,25 @@ def test_no_process_carries_a_secret_in_its_arguments(deployment):
         for name, value in secrets.items():
             assert value not in cmdline, f"the {name} is in the arguments of process {proc.name}"
     assert seen >= 3  # the deployment's Ray processes were looked at
+
+
+def test_the_deployments_own_ports_listen_on_loopback_only(deployment, capsys):
+    """Embedded, every port the service opens (shards' gRPC and data plane, metrics, and
+    Redis) binds 127.0.0.1; Ray's own ports need its token (above)."""
+    token = tenant("ports", deployment.redis_url, capsys)
+    with client(deployment, token) as c:
+        data = list(c.topology.data_addresses.values())
+    ours = [*deployment.endpoints.values(), *data, *deployment.metrics.values()]
+    ports = {int(address.rstrip("/").rsplit(":", 1)[1].split("/")[0]) for address in ours}
+    ports.add(int(deployment.redis_url.rsplit(":", 1)[1].split("/")[0]))
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
+    bound = {}
+    for line in listening.splitlines():
+        local = line.split()[3]
+        host, port = local.rsplit(":", 1)
+        address = ipaddress.ip_address(host.strip("[]").replace("*", "::"))
+        bound.setdefault(int(port), set()).add(
+            str(getattr(address, "ipv4_mapped", None) or address)
+        )
+    assert len(ports) >= 2 * 2 + 1 and ports <= bound.keys()
+    assert {port: bound[port] for port in ports} == {port: {"127.0.0.1"} for port in ports}
