@@ -85,6 +85,8 @@ def fields(
     while pos < end:
         tag, pos = read_varint(buf, pos)
         number, kind = tag >> 3, tag & 7
+        if number == 0:
+            raise InvalidArgument("message: field number 0 (protobuf has none)")
         if kind == 0:
             value, pos = read_varint(buf, pos)
         elif kind == 2:
@@ -92,6 +94,8 @@ def fields(
             if pos + size > end:
                 raise InvalidArgument("message: a field runs past the end of the message")
             value, pos = buf[pos : pos + size], pos + size
+        elif kind in (1, 5) and pos + (8 if kind == 1 else 4) > end:
+            raise InvalidArgument("message: a fixed-size field runs past the end of the message")
         elif kind == 5:
             value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
         elif kind == 1:

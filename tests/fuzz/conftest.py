@@ -1,0 +1,29 @@
+"""Hypothesis profiles for the fuzz suite (one module per parser family).
+
+"ci" (default): a bounded number of examples per property, so that the whole suite runs in
+about a minute on 2 cores; no example database is written. "long": hour-scale runs
+(`make fuzz`, or VERICACHE_FUZZ=long), keeping what it finds in .hypothesis/ so that a
+failure found once is replayed first next time. VERICACHE_FUZZ_EXAMPLES overrides the
+examples per property of either profile."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+settings.register_profile(
+    "ci", max_examples=150, deadline=None, database=None, suppress_health_check=SLOW_OK
+)
+settings.register_profile("long", max_examples=20_000, deadline=None, suppress_health_check=SLOW_OK)
+PROFILE = os.environ.get("VERICACHE_FUZZ", "ci")
+settings.load_profile(PROFILE)
+if os.environ.get("VERICACHE_FUZZ_EXAMPLES"):
+    settings.register_profile(
+        "sized",
+        parent=settings.get_profile(PROFILE),
+        max_examples=int(os.environ["VERICACHE_FUZZ_EXAMPLES"]),
+    )
+    settings.load_profile("sized")
