@@ -18,6 +18,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 from cluster.redis_server import RedisServer
 from prefix_store.metadata import Metadata, redact_url
 from tests.prefix_store.conftest import Store
+from tests.waiting import eventually
 
 SERVICE = pb.DESCRIPTOR.services_by_name["PrefixStore"]
 METHODS = [m.name for m in SERVICE.methods]
@@ -189,15 +190,6 @@ def test_unknown_tokens_from_one_peer_cost_a_bounded_number_of_redis_gets(store,
         refused = next(d for c, d in answers if c == grpc.StatusCode.RESOURCE_EXHAUSTED)
         assert "too many unknown tokens from this peer (at most 10 at once" in refused
         assert raw_call(channel, "Describe", b"", auth(token))[0] == grpc.StatusCode.OK
-
-
-def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_known_token_is_rechecked_unthrottled_and_rotation_still_applies(store, metadata):

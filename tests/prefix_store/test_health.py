@@ -3,7 +3,6 @@ answered SERVICE_UNKNOWN and nothing is filed for it. Real gRPC servers on loopb
 
 from __future__ import annotations
 
-import time
 from concurrent import futures
 
 import grpc
@@ -11,18 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefix_store.health import HealthServicer
+from tests.waiting import eventually
 
 SERVICE = "vericache.v1.PrefixStore"
 Status = health_pb2.HealthCheckResponse
-
-
-def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import struct
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from prefix_store.lmcache import GatewayConfig, GatewayError, LMCacheGateway  # noqa: E402
 from prefix_store.lmcache.protocol import Command, client_header  # noqa: E402
+from tests.waiting import eventually
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8  # LMCache KV_2LTD objects: [2, layers, tokens, heads * dim]
 MODEL = "tiny-model"
@@ -407,12 +407,3 @@ def test_a_put_declaring_a_large_payload_allocates_only_what_arrived(store, meta
         assert peak < 8 << 20, peak
     finally:
         tracemalloc.stop()
-
-
-def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True

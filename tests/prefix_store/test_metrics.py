@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -18,6 +17,7 @@ from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store.metrics import OTHER, MetricsConfig, MetricsServer, TenantLabels, scrape
 from tests.prefix_store.conftest import LAYOUT, random_kv
+from tests.waiting import eventually
 
 TOKEN = "metrics-secret-token"
 TOKENS = list(range(500, 540))  # 16 + 16 + 8 tokens
@@ -117,15 +117,6 @@ def test_a_metrics_config_needs_a_token():
 def test_tenant_labels_keep_the_first_tenants():
     labels = TenantLabels(2)
     assert [labels(t) for t in ("a", "b", "c", "a", "d", "b")] == ["a", "b", OTHER, "a", OTHER, "b"]
-
-
-def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture

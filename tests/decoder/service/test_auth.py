@@ -20,6 +20,7 @@ from decoder.service.client import DecoderClient
 from prefix_store.metadata import Metadata
 from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
+from tests.waiting import eventually
 
 SERVICE = dpb.DESCRIPTOR.services_by_name["Decoder"]
 METHODS = [m.name for m in SERVICE.methods]
@@ -69,15 +70,6 @@ def connections_to(port: int) -> int:
                 remote_port = int(fields[2].rsplit(":", 1)[1], 16)
                 count += remote_port == port and fields[3] == "01" and fields[9] in sockets
     return count
-
-
-def eventually(check, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.fixture
