@@ -29,9 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefix_store.blob import Blob, BlobId
+from prefix_store.errors import InvalidArgument
 from prefix_store.layout import KVLayout
 
 MAGIC = b"VCB1"
+UNUSABLE = (OSError, ValueError, KeyError, TypeError, struct.error, OverflowError)
+UNUSABLE += (RecursionError, InvalidArgument)
+"""What reading a file that is not a whole blob raises (torn, foreign, a hostile header)."""
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +69,7 @@ def _blob_of(header: dict) -> Blob:
         crcs=tuple(int(c) for c in header["crcs"]),
         meta=dict(header["meta"]),
     )
+    hash(blob.id)  # TypeError if a part of it is not hashable (a JSON object)
     kind = blob.id[0] if blob.id else None
     if kind not in ("chunk", "artifact") or len(blob.id) < 3 or not isinstance(blob.id[2], int):
         raise ValueError(f"not a chunk or artifact id: {blob.id!r}")
@@ -151,7 +156,7 @@ class DiskTier:
             try:
                 blob, offset = self._read_header(path)
                 mtime = path.stat().st_mtime
-            except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            except UNUSABLE as error:
                 self._reject(path, f"{type(error).__name__}: {error}")
                 continue
             older = found.get(blob.id)
@@ -180,6 +185,8 @@ class DiskTier:
             if f.read(4) != MAGIC:
                 raise ValueError("bad magic")
             (length,) = struct.unpack("<I", f.read(4))
+            if 8 + length > os.fstat(f.fileno()).st_size:  # never allocate a declared length
+                raise ValueError(f"a header of {length} bytes runs past the end of the file")
             header = f.read(length)
             if len(header) != length:
                 raise ValueError("truncated header")

@@ -12,7 +12,12 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+SLOW_OK = [
+    HealthCheck.too_slow,
+    HealthCheck.data_too_large,
+    HealthCheck.filter_too_much,
+    HealthCheck.function_scoped_fixture,  # fixtures here hand out fresh state per example
+]
 
 settings.register_profile(
     "ci", max_examples=150, deadline=None, database=None, suppress_health_check=SLOW_OK
