@@ -1,5 +1,5 @@
 # Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
-# bench-remote, bench-cluster, bench-footprint, load, chaos.
+# bench-remote, bench-cluster, bench-footprint, load, chaos, attack.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 KERNEL_STAMP := $(VENV)/.kernel-ready
 
 .PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
-	bench-remote bench-cluster bench-footprint load chaos clean
+	bench-remote bench-cluster bench-footprint load chaos attack clean
 
 install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -94,6 +94,11 @@ load: install
 # of fault / expected / observed / recovery seconds / lost. Needs root (tmpfs); ~15 minutes.
 chaos: install
 	$(PY) bench/chaos.py
+
+# A victim tenant's checked load beside each hostile-neighbour attack of issue 26 in turn
+# (and beside a benign neighbour at the same rate); the figures and targets. ~13 minutes.
+attack: install
+	$(PY) bench/attack.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

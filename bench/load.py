@@ -245,7 +245,10 @@ class Workload:
         finally:
             decoder.close()
 
-    def run(self, op: str, fn: Callable[[], tuple[int, int]]) -> None:
+    def run(
+        self, op: str, fn: Callable[[], tuple[int, int]], recorder: Recorder | None = None
+    ) -> None:
+        """Run one operation, its outcome recorded in `recorder` (default: the run's)."""
         started = time.monotonic()
         try:
             verified, lost = fn()
@@ -253,7 +256,7 @@ class Workload:
         except Exception as error:  # noqa: BLE001 - every failure is a figure
             outcome = Outcome(op, 0.0, status_of(error), started=started)
         outcome.seconds = time.monotonic() - started
-        self.recorder.add(outcome)
+        (recorder or self.recorder).add(outcome)
 
     def publish(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
         fresh = rng.random() < self.config.fresh
@@ -313,12 +316,15 @@ class Processes:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def pids(self) -> dict[str, int]:
+    def actors(self) -> dict[str, object]:
+        """The actors whose processes are sampled, by name."""
         d = self.deployment
         actors = {f"shard-{i}": a for i, a in d.actors.items()}
-        actors |= {f"decoder-{i}": a for i, a in d.decoder_actors.items()}
+        return actors | {f"decoder-{i}": a for i, a in d.decoder_actors.items()}
+
+    def pids(self) -> dict[str, int]:
         pids = {}
-        for name, actor in actors.items():
+        for name, actor in self.actors().items():
             with contextlib.suppress(Exception):  # a process being killed by chaos
                 pids[name] = ray.get(actor.pid.remote(), timeout=10)
         return pids
@@ -378,18 +384,25 @@ def watch(workload: Workload, deadline: float, seconds: float, threads) -> None:
             bar.set_postfix_str(f"{len(workload.recorder.outcomes)} operations")
 
 
-def check_generations(workload: Workload, runner, sample: int) -> dict:
-    """Decode a sample of the lossless generations again with full KV, here."""
+def check_generations(
+    workload: Workload,
+    runner,
+    sample: int,
+    generations: list[Generation] | None = None,
+    references: dict[tuple[int, ...], list[int]] | None = None,
+) -> dict:
+    """Decode a sample of the lossless generations (default: the run's) again with full KV,
+    here; `references` (prompt -> full-KV tokens) carries them from one call to the next."""
     from decoder.generate import generate_full
 
     seen: dict[tuple, list[Generation]] = defaultdict(list)
-    for g in workload.recorder.generations:
+    for g in workload.recorder.generations if generations is None else generations:
         seen[(tuple(g.prompt), g.mode)].append(g)
     picked = [gs[0] for gs in seen.values()][:sample]
     picked += [g for gs in seen.values() for g in gs[1:]][: max(0, sample - len(picked))]
     wrong = 0
     eos = workload.model.eos_token_ids
-    references: dict[tuple[int, ...], list[int]] = {}
+    references = {} if references is None else references
     for g in progress(picked, desc="checking generations", unit="gen"):
         key = tuple(g.prompt)
         if key not in references:
@@ -410,12 +423,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarise(outcomes: list[Outcome], seconds: float) -> dict:
+def summarise(
+    outcomes: list[Outcome], seconds: float, operations: tuple[str, ...] = OPERATIONS
+) -> dict:
     by_op: dict[str, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         by_op[o.op].append(o)
     table = {}
-    for op in OPERATIONS:
+    for op in operations:
         done = by_op.get(op, [])
         ok = [o.seconds for o in done if o.status == "OK"]
         table[op] = {
