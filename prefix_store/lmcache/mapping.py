@@ -103,9 +103,10 @@ def lmcache_keys(tokens: Sequence[int], keying: LMCacheKeying) -> list[str]:
     return keys
 
 
-def check_naive(meta: ObjectMeta, layout: KVLayout) -> int:
-    """The tokens of a naive KV_2LTD object of `layout`'s model; InvalidArgument naming
-    what differs when its format, dtype or shape does not agree with the layout."""
+def check_naive(meta: ObjectMeta, layout: KVLayout, nbytes: int | None = None) -> int:
+    """The tokens of a naive KV_2LTD object of `layout`'s model (of `nbytes` payload bytes,
+    when given); InvalidArgument naming what differs when its format, dtype, shape or size
+    does not agree with the layout."""
     two, layers, tokens, hidden = meta.shape
     if meta.fmt != FMT_KV_2LTD:
         raise InvalidArgument(f"fmt: {meta.fmt} is not KV_2LTD ({FMT_KV_2LTD})")
@@ -115,13 +116,17 @@ def check_naive(meta: ObjectMeta, layout: KVLayout) -> int:
         raise InvalidArgument(f"shape: {meta.shape} is not [2, layers, tokens, heads * dim]")
     if tokens < 1:
         raise InvalidArgument("shape: no tokens")
+    if nbytes is not None and nbytes != layout.chunk_bytes(tokens):
+        raise InvalidArgument(
+            f"payload: {nbytes} bytes, shape {meta.shape} has {layout.chunk_bytes(tokens)}"
+        )
     return tokens
 
 
 def naive_to_kv(payload, meta: ObjectMeta, layout: KVLayout) -> torch.Tensor:
     """A naive KV_2LTD object's values as VeriCache's [layers, 2, kv_heads, tokens,
     head_dim] (a copy, bitwise the same values)."""
-    tokens = check_naive(meta, layout)
+    tokens = check_naive(meta, layout, memoryview(payload).nbytes)
     flat = torch.frombuffer(bytearray(payload), dtype=layout.torch_dtype)
     # [2, L, T, H, D] -> [L, 2, H, T, D]
     kv = flat.view(2, layout.num_layers, tokens, layout.num_kv_heads, layout.head_dim)
@@ -145,7 +150,7 @@ def find_prefix(
     for key in lmcache_keys(tokens, keying):
         found = objects.get(key)
         expected = min(keying.chunk_size, len(tokens) - covered)
-        if found is None or not _agrees(found[0], layout, expected):
+        if found is None or not _agrees(found, layout, expected):
             break
         parts.append(naive_to_kv(found[1], found[0], layout))
         covered += expected
@@ -154,9 +159,9 @@ def find_prefix(
     return covered, torch.cat(parts, dim=3)
 
 
-def _agrees(meta: ObjectMeta, layout: KVLayout, tokens: int) -> bool:
+def _agrees(found: tuple[ObjectMeta, memoryview], layout: KVLayout, tokens: int) -> bool:
     try:
-        return check_naive(meta, layout) == tokens
+        return check_naive(found[0], layout, found[1].nbytes) == tokens
     except InvalidArgument:
         return False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 SLOW_OK = [
@@ -32,3 +33,20 @@ if os.environ.get("VERICACHE_FUZZ_EXAMPLES"):
         max_examples=int(os.environ["VERICACHE_FUZZ_EXAMPLES"]),
     )
     settings.load_profile("sized")
+
+
+@pytest.fixture(scope="module")
+def shard(redis_server, tmp_path_factory):
+    """One real shard (gRPC and data plane) on loopback over the session's Redis, shared by
+    a module's examples, and the token of a tenant "fuzz" with room to store."""
+    import redis
+
+    from prefix_store.metadata import Metadata
+    from tests.prefix_store.conftest import Store
+
+    redis.Redis.from_url(redis_server.url).flushdb()
+    store = Store(redis_server.url, tmp_path_factory.mktemp("shards"))
+    store.start()
+    token = Metadata(redis_server.url).add_tenant("fuzz", 1 << 30)
+    yield store, token
+    store.close()

@@ -10,6 +10,7 @@ import resource
 import struct
 from collections.abc import Iterator
 
+from hypothesis import settings
 from hypothesis import strategies as st
 
 CAP = 256 << 20
@@ -96,3 +97,9 @@ def memory_cap(extra: int = CAP) -> Iterator[None]:
 def _address_space() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def share(fraction: float) -> settings:
+    """Settings running `fraction` of the profile's examples: for properties whose every
+    example is a round trip through real servers."""
+    return settings(max_examples=max(10, int(settings.default.max_examples * fraction)))
