@@ -72,6 +72,8 @@ def _read(path: Path) -> dict:
         raise ConfigError(f"--config {path}: cannot read it ({error})") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"--config {path}: not YAML ({str(error).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"--config {path}: not YAML (nested too deeply)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
