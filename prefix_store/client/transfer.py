@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
@@ -168,10 +169,13 @@ def send_put(
             magic, _, _, size = read_frame_header(sock)
             if magic == ERROR:
                 raise in_band_error(sock, size)
-            if magic != DONE:
-                raise Unavailable(f"data plane: unexpected reply from {address}")
+            if magic != DONE or size > 64 + 32 * len(chunks):  # two keys per chunk at most
+                raise Unavailable(f"data plane: unexpected reply from {address} ({size} bytes)")
             body = bytearray(size)
             recv_exact(sock, memoryview(body))
-            return pb.PutResponse.FromString(bytes(body))
+            try:
+                return pb.PutResponse.FromString(bytes(body))
+            except DecodeError as error:
+                raise Unavailable(f"data plane: malformed reply from {address}") from error
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error

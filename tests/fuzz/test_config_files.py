@@ -6,6 +6,7 @@ InvalidArgument, FileNotFoundError), never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from unittest import mock
@@ -87,10 +88,8 @@ ENVIRON = st.dictionaries(
 
 @given(ENVIRON)
 def test_config_variables(tmp_path, environ):
-    try:
+    with contextlib.suppress(*CLEAR):
         serve_config(tmp_path, b"", environ)
-    except CLEAR:
-        pass
 
 
 # ---- the state file --------------------------------------------------------------------
