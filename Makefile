@@ -1,5 +1,5 @@
 # Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
-# bench-remote, bench-cluster, bench-footprint, load, chaos, attack.
+# bench-remote, bench-cluster, bench-footprint, load, chaos, attack, fuzz.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 KERNEL_STAMP := $(VENV)/.kernel-ready
 
 .PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
-	bench-remote bench-cluster bench-footprint load chaos attack clean
+	bench-remote bench-cluster bench-footprint load chaos attack fuzz clean
 
 install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
 
@@ -46,6 +46,12 @@ test: install
 
 test-all: install
 	$(PY) -m pytest
+
+# Every parser fuzzed at hour scale (tests/fuzz, hypothesis's "long" profile: 20,000
+# examples per property; what it finds is kept in .hypothesis/ and replayed first next
+# time). `make test` runs the same properties with the bounded "ci" profile (about a minute).
+fuzz: install
+	VERICACHE_FUZZ=long $(PY) -m pytest tests/fuzz -p no:cacheprovider --timeout 3600
 
 lint: install
 	$(VENV)/bin/ruff check decoder prefix_store cluster tests bench

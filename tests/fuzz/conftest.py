@@ -21,7 +21,7 @@ SLOW_OK = [
 ]
 
 settings.register_profile(
-    "ci", max_examples=150, deadline=None, database=None, suppress_health_check=SLOW_OK
+    "ci", max_examples=100, deadline=None, database=None, suppress_health_check=SLOW_OK
 )
 settings.register_profile("long", max_examples=20_000, deadline=None, suppress_health_check=SLOW_OK)
 PROFILE = os.environ.get("VERICACHE_FUZZ", "ci")
