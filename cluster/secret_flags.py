@@ -21,6 +21,8 @@ VARIABLES = {
     "token": "VERICACHE_TOKEN",
 }
 """Each secret flag and the variable that gives it instead."""
+MAX_SECRET_FILE = 64 << 10
+"""Bytes of a secret file read (its first line is the secret)."""
 
 
 class _OnCommandLine(argparse.Action):
@@ -42,7 +44,8 @@ class _OnCommandLine(argparse.Action):
 def read_secret(path: str) -> str:
     """The secret in file `path`: its first line, stripped. Errors name the file only."""
     try:
-        lines = Path(path).expanduser().read_text(encoding="utf-8").splitlines()
+        with Path(path).expanduser().open("rb") as file:
+            lines = file.read(MAX_SECRET_FILE).decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         reason = error.__class__.__name__
         raise InvalidArgument(f"cannot read secret file {path} ({reason})") from None
