@@ -36,6 +36,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from prefix_store.errors import LimitExceeded
+from prefix_store.shares import FairShare
 from prefix_store.tls import TLSClientConfig, TLSConfig, client_context, server_context
 
 log = logging.getLogger(__name__)
@@ -133,30 +135,35 @@ BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: cl
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """An HTTP server whose thread per connection is taken only within `slots`: the limit
-    applies in the accept loop, so a connection over it is refused (a best-effort 503 on
-    plain HTTP, then closed; counted in `refused`) before any thread exists. A connection
-    that is not done within `deadline_s` in all is cut (its socket shut down), however
-    slowly it trickles bytes in or reads the reply."""
+    """An HTTP server whose thread per connection is taken only within `slots`, shared by
+    peer address (`FairShare`: a peer alone holds at most half, and a new peer always finds
+    one, so a slow client cannot lock a scraper out). The limit applies in the accept loop,
+    so a connection over it is refused (a best-effort 503 on plain HTTP, then closed;
+    counted in `refused`) before any thread exists. A connection that is not done within
+    `deadline_s` in all is cut (its socket shut down), however slowly it trickles bytes in
+    or reads the reply."""
 
     daemon_threads = True
 
     def __init__(self, address, handler, slots: int, deadline_s: float) -> None:
         super().__init__(address, handler, bind_and_activate=False)
-        self.slots = threading.BoundedSemaphore(slots)
+        self.slots = FairShare(slots, "metrics connections", holder="peer")
         self.deadline_s = deadline_s
         self.refused = 0
         """Connections refused at accept (a figure for tests and operators)."""
 
     def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
+        peer = str(client_address[0])
+        try:
+            self.slots.acquire(peer)
+        except LimitExceeded:
             self.refused += 1
             _refuse(request)
             return self.shutdown_request(request)
         try:
             super().process_request(request, client_address)  # its thread
         except BaseException:
-            self.slots.release()
+            self.slots.release(peer)
             raise
 
     def process_request_thread(self, request, client_address) -> None:
@@ -167,7 +174,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             cut.cancel()
-            self.slots.release()
+            self.slots.release(str(client_address[0]))
 
     def handle_error(self, request, client_address) -> None:
         pass  # a cut or broken connection: nothing to log (and no traceback on stderr)

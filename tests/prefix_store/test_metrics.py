@@ -121,9 +121,9 @@ def test_tenant_labels_keep_the_first_tenants():
 
 @pytest.fixture
 def endpoint(request):
-    """A metrics endpoint serving 2 connections at once, each for at most the test's
-    `deadline_s` (its parameter)."""
-    config = MetricsConfig(token=TOKEN, max_connections=2, timeout_s=request.param)
+    """A metrics endpoint serving 4 connections at once (a peer alone: 2), each for at
+    most the test's `deadline_s` (its parameter)."""
+    config = MetricsConfig(token=TOKEN, max_connections=4, timeout_s=request.param)
     server = MetricsServer(CollectorRegistry(), config)
     server.start()
     yield server
@@ -150,8 +150,21 @@ def test_connections_over_the_limit_are_refused_at_accept_without_a_thread(endpo
         sock.settimeout(5)
         assert sock.recv(100).startswith(b"HTTP/1.0 503")
         sock.close()
+    # the slots are shared by peer: a scraper elsewhere is served while this one is refused
+    assert scrape_from("127.0.0.2", endpoint).startswith(b"HTTP/1.0 200")
     for sock in held:
         sock.close()
+
+
+def scrape_from(source: str, server: MetricsServer) -> bytes:
+    """A whole scrape from the loopback address `source` (another peer than 127.0.0.1)."""
+    request = f"GET /metrics HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.port), 5, (source, 0)) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
 
 
 @pytest.mark.parametrize("endpoint", [1.0], indirect=True)
