@@ -111,8 +111,10 @@ class DataPlaneLimits:
     `max_tickets`; one beyond its tenant's share is told RESOURCE_EXHAUSTED and closed."""
     max_opening: int = 64
     """Connections that have not yet redeemed a ticket (unauthenticated), shared by peer
-    address; beyond a peer's share (or `opening_per_peer`) a new one is told
-    RESOURCE_EXHAUSTED and closed."""
+    address; beyond a peer's share (or `opening_per_peer`) a new one takes over the slot of
+    that peer's oldest connection still opening, which is cut (so idle connections cannot
+    lock out a client at the same address: it redeems at once); a peer holding none is
+    told RESOURCE_EXHAUSTED and closed."""
     opening_per_peer: int = 16
     """Connections one peer address may hold before redeeming their tickets."""
     handshake_s: float = 5.0
@@ -243,6 +245,12 @@ def refuse(conn: socket.socket, error: BaseException) -> None:
         conn.sendall(error_frame("RESOURCE_EXHAUSTED", str(error)))
 
 
+def _shut(sock: socket.socket) -> None:
+    """End a connection from another thread: its blocked read returns at once (TLS too)."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -285,6 +293,9 @@ class DataPlane:
         self._stopped = threading.Event()
         self._connections: dict[socket.socket, float] = {}
         """Open connections and the monotonic time by which each must be done."""
+        self._pending: dict[str, dict[int, tuple[socket.socket, list[str]]]] = {}
+        """Per peer address, its connections not yet redeemed, oldest first: (the socket,
+        the opening slot it holds: [peer] until settled, then [])."""
         self._thread = threading.Thread(target=self._accept, name="data-plane", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name="ticket-reaper", daemon=True)
 
@@ -362,35 +373,67 @@ class DataPlane:
 
     def _admit(self, conn: socket.socket) -> None:
         """A new connection, unauthenticated until it redeems a ticket: it holds one of its
-        peer address's opening slots and must open within `handshake_s`."""
+        peer address's opening slots and must open within `handshake_s`. A peer at its
+        limit gets the slot of its own oldest connection still opening, which is cut: idle
+        connections cannot lock out a client at the same address, which redeems at once."""
         try:
             peer = conn.getpeername()[0].removeprefix("::ffff:")
-            self._opening.acquire(peer)
+            opening = self._opening_slot(peer)
         except (OSError, LimitExceeded) as error:
             refuse(conn, error)
             return
         with self._lock:
             self._connections[conn] = time.monotonic() + self.limits.handshake_s
+            self._pending.setdefault(peer, {})[id(opening)] = (conn, opening)
         try:
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, opening), daemon=True).start()
         except RuntimeError:  # no thread to be had: as if full
             self._forget(conn)
-            self._opening.release(peer)
+            self._settle(opening)
             conn.close()
+
+    def _opening_slot(self, peer: str) -> list[str]:
+        """An opening slot for a new connection from `peer`: its share's, else the one its
+        oldest unredeemed connection held (that connection is cut); LimitExceeded when the
+        peer has none to give up."""
+        try:
+            self._opening.acquire(peer)
+            return [peer]
+        except LimitExceeded:
+            with self._lock:
+                queue = self._pending.get(peer)
+                if not queue:
+                    raise
+                oldest, (old, held) = next(iter(queue.items()))
+                del queue[oldest]
+                held.clear()  # the slot moves: the old connection's end releases nothing
+            _shut(old)
+            return [peer]
+
+    def _settle(self, opening: list[str]) -> None:
+        """The connection holding `opening` redeemed its ticket or ended: its slot goes back
+        (unless another connection took it over)."""
+        with self._lock:
+            if not opening:
+                return
+            peer = opening.pop()
+            queue = self._pending.get(peer, {})
+            queue.pop(id(opening), None)
+            if not queue:
+                self._pending.pop(peer, None)
+            self._opening.release(peer)
 
     def _forget(self, conn: socket.socket) -> None:
         with self._lock:
             self._connections.pop(conn, None)
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        opening = [peer]  # released once the connection redeems its ticket, or ends
+    def _serve(self, conn: socket.socket, opening: list[str]) -> None:
         try:
             conn = self._wrap(conn)
             self._stream(conn, opening)
         finally:
             self._forget(conn)
-            for held in opening:
-                self._opening.release(held)
+            self._settle(opening)
 
     def _wrap(self, conn: socket.socket) -> socket.socket:
         """With TLS: the connection as a TLS socket, its handshake not yet done (no I/O
@@ -425,7 +468,7 @@ class DataPlane:
             transfer = self._redeem(conn)
             if transfer is None:
                 return
-            self._opening.release(opening.pop())
+            self._settle(opening)
             try:
                 self._connection_shares.acquire(transfer.tenant, 1, transfer.weight)
             except LimitExceeded as error:
