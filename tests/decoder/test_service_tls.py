@@ -16,6 +16,7 @@ from decoder.service.client import DecoderClient
 from decoder.service.server import DecoderServer
 from decoder.service.worker import DecoderWorker
 from prefix_store.errors import Unavailable
+from prefix_store.provenance import load_or_create_key
 from prefix_store.tls import TLSClientConfig, TLSConfig
 from tests.prefix_store.conftest import Store
 
@@ -40,6 +41,7 @@ def decoder(serve_config, metadata, redis_server, tmp_path, builtin_model):
     store = Store(redis_server.url, tmp_path)
     store.start(tls=serve_config.shard(0).tls)
     config = serve_config.decoder(0, store.endpoints)
+    load_or_create_key(config.provenance_key_file)  # what `serve` makes in its state dir
     server = DecoderServer(config, DecoderWorker(config, model=builtin_model))
     server.start()
     yield server
