@@ -22,14 +22,7 @@ def test_every_router_method_survives_hostile_input(
     store = Store(redis_server.url, tmp_path)
     store.start()
     decoder = serve(store.endpoints, builtin_model, worker_id="decoder-0")
-    config = RouterConfig(
-        tuple(store.endpoints),
-        decoders=((decoder.address, ""),),
-        client=ClientConfig(timeout_s=10, retries=2, backoff_s=0.05),
-        poll_s=0.2,
-    )
-    router = RouterServer(config, tokenizer=load_tokenizer(None))
-    router.start()
+    router = start_router(store, [decoder])
     token = metadata.add_tenant("hostile-router")
     try:
         assert sweep(router.address, "vericache.v1.Decoder", ["", "junk", token], count=4) == []
@@ -54,14 +47,7 @@ def test_decoders_over_budget_make_the_router_say_so_not_unavailable(
         serve(store.endpoints, builtin_model, worker_id=f"decoder-{i}", kv_budget=budget)
         for i in range(2)
     ]
-    config = RouterConfig(
-        tuple(store.endpoints),
-        decoders=tuple((d.address, "") for d in decoders),
-        client=ClientConfig(timeout_s=10, retries=2, backoff_s=0.05),
-        poll_s=0.2,
-    )
-    router = RouterServer(config, tokenizer=load_tokenizer(None))
-    router.start()
+    router = start_router(store, decoders)
     token = metadata.add_tenant("over-budget")
     try:
         with DecoderClient(router.address, token) as client:
@@ -73,3 +59,15 @@ def test_decoders_over_budget_make_the_router_say_so_not_unavailable(
         for decoder in decoders:
             decoder.stop(0)
         store.close()
+
+
+def start_router(store, decoders) -> RouterServer:
+    config = RouterConfig(
+        tuple(store.endpoints),
+        decoders=tuple((d.address, "") for d in decoders),
+        client=ClientConfig(timeout_s=10, retries=2, backoff_s=0.05),
+        poll_s=0.2,
+    )
+    router = RouterServer(config, tokenizer=load_tokenizer(None))
+    router.start()
+    return router

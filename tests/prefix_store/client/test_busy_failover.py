@@ -43,7 +43,8 @@ def two_shards(store, metadata, ticket_ttl_s: float = 30.0):
 
 
 @pytest.mark.xfail(
-    reason="since the session's last changes the lone reader's ticket share (1 of 2) refuses its fetch as QuotaExceeded before any busy refusal: open, see the issue 26 note",
+    reason="the lone reader's ticket share (1 of 2) refuses its fetch as QuotaExceeded "
+    "before any busy refusal: open, see the issue 26 note",
     strict=False,
 )
 def test_a_stream_refused_as_busy_moves_to_a_replica(store, metadata):
