@@ -39,12 +39,10 @@ from prefix_store.errors import (
     DataLoss,
     InvalidArgument,
     KernelMismatch,
-    LimitExceeded,
     NotFound,
     StoreError,
     Unavailable,
 )
-from prefix_store.status import busy_retry_s
 
 
 def full_chunks(prefix: CachedPrefix) -> tuple[ChunkPlan, ...]:
@@ -64,11 +62,7 @@ def kernels_match(topology: Topology, chunks: Sequence[ChunkPlan], kernel: str) 
 
 def typed_error(error: BaseException) -> BaseException:
     """A failed stream's error as the store's typed error (a busy refusal: LimitExceeded)."""
-    if not isinstance(error, grpc.RpcError):
-        return error
-    if busy_retry_s(error) is not None:
-        return LimitExceeded(error.details() or "attend: refused over the shard's limits")
-    return rpc_error(error)
+    return rpc_error(error) if isinstance(error, grpc.RpcError) else error
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from typing import TypeVar
 import grpc
 
 from prefix_store.config import ClientConfig
-from prefix_store.errors import StoreError, Unavailable
+from prefix_store.errors import LimitExceeded, StoreError, Unavailable
 from prefix_store.status import RETRYABLE, busy_retry_s, error_of
 
 T = TypeVar("T")
@@ -25,6 +25,11 @@ def backoff(config: ClientConfig, attempt: int) -> float:
 
 
 def rpc_error(error: grpc.RpcError) -> StoreError:
+    """The store's typed error for a failed call. A refusal marked `retry-after-ms` is
+    `LimitExceeded` (the server's bounds: try again later or elsewhere), never
+    `QuotaExceeded`, which is the tenant's stored bytes and does not pass with time."""
+    if busy_retry_s(error) is not None:
+        return LimitExceeded(error.details() or "refused over the server's limits")
     return error_of(error.code(), error.details() or str(error.code()))
 
 
