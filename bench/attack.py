@@ -82,12 +82,12 @@ from bench.load import (  # noqa: E402
     summarise,
 )
 from decoder.service.client import DecoderClient  # noqa: E402
-from prefix_store import wire  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 from prefix_store.config import GiB, MiB  # noqa: E402
 from prefix_store.layout import KVLayout  # noqa: E402
 from prefix_store.lmcache.protocol import Command, ReturnCode, client_header  # noqa: E402
 from prefix_store.metrics import scrape  # noqa: E402
+from prefix_store.protocol import wire  # noqa: E402
 
 SMALL = KVLayout("attack-small@1", "float16", num_layers=1, num_kv_heads=1, head_dim=1,
                  chunk_tokens=16)  # fmt: skip

@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoder.staging import PrefixUnavailable
-from prefix_store.attend import FLOAT32, MAX_ROWS
 from prefix_store.attention import Partials, kernel_fingerprint
 from prefix_store.client import CachedPrefix, StoreClient
+from prefix_store.protocol.attend import FLOAT32, MAX_ROWS
 
 RESPONSE_BYTES = 16 << 20
 """Partials one query may ask of a shard (shards refuse answers over their message limit,

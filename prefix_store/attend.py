@@ -24,16 +24,10 @@ from vericache.v1 import prefix_store_pb2 as pb
 from prefix_store import attention, faults
 from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument, KernelMismatch
-from prefix_store.layout import MAX_HEADS, KVLayout
+from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
+from prefix_store.protocol.attend import FLOAT32, MAX_CHUNKS, MAX_QUERY_HEADS, MAX_ROWS
 from prefix_store.shard import ChunkRef, FetchStream, Shard
-
-MAX_ROWS = 4096
-"""Query rows per Attend query (a verification pass's drafted tokens, batched)."""
-MAX_QUERY_HEADS = MAX_HEADS
-MAX_CHUNKS = 1 << 16
-"""Chunks per Attend header: the key-list bound of every call."""
-FLOAT32 = 4
 
 
 def kernel_fingerprint(enabled: bool = True) -> str:

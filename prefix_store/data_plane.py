@@ -6,28 +6,13 @@ straight from the stored segments and lands, on the client, straight in the call
 tensors (`recv_into`): the payload is copied once by each kernel and never by Python,
 where gRPC's own path copies it three to four more times.
 
-Puts go the same way in the other direction (`OpenPut`): the client sends one frame per
-layer from its tensors, then a commit frame b"VCCM" carrying each chunk's CRC-32C (u32
-each); the shard answers b"VCOK" with a serialised PutResponse, or b"VCER".
-
-A fetched layer is one frame: 16 bytes header (magic b"VCL2", u32 layer, u32 chunks, u32 n),
-then each chunk's stored CRC-32C of that layer's segment (u32 each, request order), then n
-bytes ordered as the client's tensors are: K then V; per KV head; per chunk (request
-order) that head's rows [tokens, head_dim]. So a run of consecutive chunks is one
-contiguous region per head on both sides. The client checks every chunk's CRC over its
-bytes in stored order (K heads then V heads) before it uses the layer, so corruption in
-transit is caught end to end. Put frames are the same without the CRCs (magic b"VCL1": the
-commit carries each chunk's checksum). Every segment of a layer passes its checksum
-on the shard before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
-"STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
-connection closes.
+The frames both ends speak are `prefix_store.protocol.frames`; here are the server's
+tickets, connections and bounds.
 
 With TLS (`ShardConfig.tls`) every connection is a TLS session first: the handshake runs in
 the connection's own thread under its idle timeout (a client that never completes it holds
 nothing but that thread, and is cut like any idle connection), then the same frames flow
-inside it. A plaintext client's bytes fail the handshake and the connection is closed. TLS
-has no scatter-gather send: segments are coalesced into records of up to TLS_RECORD_BATCH
-bytes (one copy, in Python) before `sendall`.
+inside it. A plaintext client's bytes fail the handshake and the connection is closed.
 """
 
 from __future__ import annotations
@@ -39,7 +24,6 @@ import logging
 import secrets
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,23 +31,21 @@ from dataclasses import dataclass
 
 from prefix_store import faults
 from prefix_store.errors import LimitExceeded
+from prefix_store.protocol.frames import (
+    CHECKED,
+    HEADER,
+    PROOF_BYTES,
+    TICKET_BYTES,
+    error_frame,
+    pack_crcs,
+    recv_exact,
+    send_buffers,
+    tune,
+)
 from prefix_store.shares import FairShare
 from prefix_store.status import code_of
 
 log = logging.getLogger(__name__)
-HEADER = struct.Struct("<4sIII")
-OK = b"VCL1"
-CHECKED = b"VCL2"
-COMMIT = b"VCCM"
-DONE = b"VCOK"
-IOV_BATCH = 512
-ERROR = b"VCER"
-TICKET_BYTES = 16
-PROOF_BYTES = 32
-"""A connection opens with its ticket and a proof of the tenant it was issued to:
-HMAC-SHA256(token_key(bearer token), ticket) (`redemption`)."""
-SOCKET_BUFFER = 4 << 20
-TLS_RECORD_BATCH = 256 << 10
 
 
 @dataclass
@@ -137,55 +119,12 @@ class DataPlaneLimits:
             raise ValueError("DataPlaneLimits: opening_per_peer >= 1 and handshake_s > 0")
 
 
-def token_key(token: str) -> bytes:
-    """What a shard keeps of a tenant's token to check its data-plane proofs (keyed apart
-    from the token digest that Redis stores, so reading Redis does not give it)."""
-    return hmac.new(token.encode(), b"vericache data-plane ticket", hashlib.sha256).digest()
-
-
-def redemption(ticket: bytes, token: str) -> bytes:
-    """What a client sends first on a data-plane connection: the ticket and its proof."""
-    return ticket + hmac.new(token_key(token), ticket, hashlib.sha256).digest()
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill a flat (format "B") view."""
-    while view.nbytes:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("the peer closed the data connection mid-transfer")
-        view = view[n:]
-
-
 def send_frames(sock: socket.socket, frames: Iterator[tuple[int, list, list]]) -> None:
     """Send (layer, each chunk's stored CRC-32C, buffers in wire order) fetch frames."""
     for layer, crcs, buffers in frames:
         size = sum(b.nbytes for b in buffers)
         sock.sendall(HEADER.pack(CHECKED, layer, len(crcs), size) + pack_crcs(crcs))
         send_buffers(sock, faults.TRANSIT.tamper(buffers))
-
-
-def pack_crcs(crcs) -> bytes:
-    return struct.pack(f"<{len(crcs)}I", *crcs)
-
-
-def error_frame(code: str, message: str) -> bytes:
-    text = f"{code}\n{message}".encode()[:65536]
-    return HEADER.pack(ERROR, 0, 0, len(text)) + text
-
-
-def read_frame_header(sock: socket.socket) -> tuple[bytes, int, int, int]:
-    header = bytearray(HEADER.size)
-    recv_exact(sock, memoryview(header))
-    return HEADER.unpack(header)
-
-
-def read_error(sock: socket.socket, size: int) -> tuple[str, str]:
-    """(status code name, message) of an error frame whose header has been read."""
-    body = bytearray(min(size, 65536))
-    recv_exact(sock, memoryview(body))
-    code, _, message = body.decode(errors="replace").partition("\n")
-    return code, message
 
 
 def head_major(segments: list, tokens: list[int], kv_heads: int, row_bytes: int) -> list:
@@ -202,41 +141,6 @@ def head_major(segments: list, tokens: list[int], kv_heads: int, row_bytes: int)
     return out
 
 
-def send_buffers(sock: socket.socket, buffers: list) -> None:
-    """sendmsg the buffers in order, resuming after partial sends (TLS: `send_coalesced`)."""
-    if isinstance(sock, ssl.SSLSocket):
-        send_coalesced(sock, buffers)
-        return
-    pending = [b for b in buffers if b.nbytes]
-    first = 0
-    while first < len(pending):
-        sent = sock.sendmsg(pending[first : first + IOV_BATCH])
-        while sent and first < len(pending):
-            size = pending[first].nbytes
-            if sent >= size:
-                sent -= size
-                first += 1
-            else:
-                pending[first] = pending[first][sent:]
-                sent = 0
-
-
-def send_coalesced(sock: ssl.SSLSocket, buffers: list) -> None:
-    """Send byte views in order: small ones joined up to TLS_RECORD_BATCH, large ones as they
-    are (a TLS socket has no sendmsg)."""
-    batch = bytearray()
-    for buffer in buffers:
-        if batch and len(batch) + buffer.nbytes > TLS_RECORD_BATCH:
-            sock.sendall(batch)
-            batch.clear()
-        if buffer.nbytes >= TLS_RECORD_BATCH:
-            sock.sendall(buffer)
-        else:
-            batch += buffer
-    if batch:
-        sock.sendall(batch)
-
-
 def refuse(conn: socket.socket, error: BaseException) -> None:
     """Tell a connection its bounds refused it (RESOURCE_EXHAUSTED, naming the limit), and
     close it."""
@@ -249,12 +153,6 @@ def _shut(sock: socket.socket) -> None:
     """End a connection from another thread: its blocked read returns at once (TLS too)."""
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
 class DataPlane:

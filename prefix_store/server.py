@@ -26,22 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store import attend, faults, wire
+from prefix_store import attend, faults
 from prefix_store.auth import Authenticator, QuotaGuard, bearer_token, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
-from prefix_store.data_plane import (
-    COMMIT,
-    DONE,
-    HEADER,
-    OK,
-    DataPlane,
-    head_major,
-    read_frame_header,
-    recv_exact,
-    send_frames,
-    token_key,
-)
+from prefix_store.data_plane import DataPlane, head_major, send_frames
 from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
 from prefix_store.health import HealthServicer
 from prefix_store.layout import KVLayout
@@ -50,6 +39,16 @@ from prefix_store.metadata import Metadata, Tenant
 from prefix_store.metrics import metrics_endpoint
 from prefix_store.namespace import OWNER
 from prefix_store.pace import Pace, Pacer, PutBounds
+from prefix_store.protocol import wire
+from prefix_store.protocol.frames import (
+    COMMIT,
+    DONE,
+    HEADER,
+    OK,
+    read_frame_header,
+    recv_exact,
+    token_key,
+)
 from prefix_store.provenance import Proof
 from prefix_store.scrub import Scrubber
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard

@@ -37,6 +37,7 @@ from prefix_store.errors import (
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
+from prefix_store.protocol.tokens import validate_tokens
 from prefix_store.provenance import (
     Proof,
     Verifier,
@@ -64,7 +65,6 @@ class Allowance:
 # quota(owner) -> the owner's Allowance, or None when unlimited. It may do network I/O,
 # so the shard calls it before taking its lock and checks its own usage under the lock.
 QuotaCheck = Callable[[str], Allowance | None]
-MAX_TOKEN_ID = 1 << 31
 ACCOUNTING_SLICE = 4096
 
 
@@ -189,21 +189,6 @@ class ShardStats:
     lost_spills: int = 0
     """Blobs evicted from memory whose disk write failed (dropped, like an eviction)."""
     usage: Counter = field(default_factory=Counter)
-
-
-def validate_tokens(
-    token_ids: Sequence[int], field_name: str = "token_ids", limit: int | None = None
-) -> list[int]:
-    """The ids as a list, checked: at most `limit` of them (counted before they are read
-    into a list), each in [0, 2^31)."""
-    if limit is not None and len(token_ids) > limit:
-        raise InvalidArgument(
-            f"{field_name}: {len(token_ids)} token ids exceed the limit of {limit}"
-        )
-    ids = list(token_ids)
-    if ids and (min(ids) < 0 or max(ids) >= MAX_TOKEN_ID):
-        raise InvalidArgument(f"{field_name}: token ids must be in [0, 2^31)")
-    return ids
 
 
 def _chunk_tokens(ids: list[int], layout: KVLayout, index: int) -> list[int]:

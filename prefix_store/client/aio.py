@@ -21,9 +21,9 @@ from prefix_store.client.plan import ArtifactReceipt, CachedPrefix, Topology, ar
 from prefix_store.client.retry import Attempts, retrying_async
 from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
-from prefix_store.data_plane import redemption
 from prefix_store.errors import StoreError, Unavailable
 from prefix_store.layout import KVLayout
+from prefix_store.protocol.frames import redemption
 from prefix_store.provenance import Signer, Verifier
 from prefix_store.tls import make_aio_channel
 

@@ -30,7 +30,6 @@ import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import attention
-from prefix_store.attend import FLOAT32, MAX_ROWS
 from prefix_store.blob import crc32c
 from prefix_store.client.core import ClientCore, exhausted, failover_error
 from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, group_by_owner
@@ -43,6 +42,7 @@ from prefix_store.errors import (
     StoreError,
     Unavailable,
 )
+from prefix_store.protocol.attend import FLOAT32, MAX_ROWS
 
 
 def full_chunks(prefix: CachedPrefix) -> tuple[ChunkPlan, ...]:

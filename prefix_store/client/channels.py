@@ -12,7 +12,7 @@ from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store.client.transfer import send_put
 from prefix_store.config import ClientConfig
-from prefix_store.data_plane import redemption
+from prefix_store.protocol.frames import redemption
 from prefix_store.tls import client_context
 
 PUT_METHOD = "/vericache.v1.PrefixStore/Put"

@@ -60,8 +60,8 @@ from prefix_store.errors import (
     Unavailable,
 )
 from prefix_store.layout import KVLayout
+from prefix_store.protocol.tokens import validate_tokens
 from prefix_store.provenance import Signer, Verifier
-from prefix_store.shard import validate_tokens
 from prefix_store.status import BUSY_RETRY_MS, FAILOVER, busy_retry_s
 
 log = logging.getLogger("prefix_store.client")

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import wire
 from prefix_store.blob import crc32c
 from prefix_store.errors import Aborted, DataLoss, InvalidArgument, NotFound, Unavailable
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
+from prefix_store.protocol import wire
 from prefix_store.provenance import (
     Proof,
     Signer,

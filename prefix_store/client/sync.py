@@ -36,9 +36,9 @@ from prefix_store.client.plan import (
 from prefix_store.client.retry import Attempts, retrying
 from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
-from prefix_store.data_plane import redemption
 from prefix_store.errors import StoreError
 from prefix_store.layout import KVLayout
+from prefix_store.protocol.frames import redemption
 from prefix_store.provenance import Signer, Verifier
 from prefix_store.tls import make_channel
 

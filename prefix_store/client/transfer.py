@@ -20,7 +20,9 @@ from google.protobuf.message import DecodeError
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
-from prefix_store.data_plane import (
+from prefix_store.errors import LimitExceeded, StoreError, Unavailable
+from prefix_store.layout import KVLayout
+from prefix_store.protocol.frames import (
     CHECKED,
     COMMIT,
     DONE,
@@ -33,8 +35,6 @@ from prefix_store.data_plane import (
     send_buffers,
     tune,
 )
-from prefix_store.errors import LimitExceeded, StoreError, Unavailable
-from prefix_store.layout import KVLayout
 from prefix_store.status import error_of
 
 

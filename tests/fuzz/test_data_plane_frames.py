@@ -24,7 +24,9 @@ from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 from prefix_store.blob import combined_crc, crc32c
 from prefix_store.client.plan import Assembly, CachedPrefix, ChunkPlan
 from prefix_store.client.transfer import receive, send_put
-from prefix_store.data_plane import (
+from prefix_store.errors import StoreError
+from prefix_store.layout import KVLayout
+from prefix_store.protocol.frames import (
     CHECKED,
     COMMIT,
     DONE,
@@ -35,8 +37,6 @@ from prefix_store.data_plane import (
     TICKET_BYTES,
     redemption,
 )
-from prefix_store.errors import StoreError
-from prefix_store.layout import KVLayout
 from tests.fuzz.mutate import memory_cap, mutated, share
 
 LAYOUT = KVLayout("fuzz@1", "float32", num_layers=2, num_kv_heads=1, head_dim=2, chunk_tokens=16)

@@ -13,9 +13,9 @@ from hypothesis import event, example, given
 from hypothesis import strategies as st
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import wire
 from prefix_store.errors import InvalidArgument
 from prefix_store.layout import KVLayout
+from prefix_store.protocol import wire
 from prefix_store.server import REQUESTS, STREAMS, parse
 from tests.fuzz.mutate import memory_cap, mutated, share
 from tests.hostile import BROKEN, Method, call

@@ -1,4 +1,4 @@
-"""The hand-rolled protobuf codec of bulk messages (`prefix_store.wire`): FetchResponse and
+"""The hand-rolled protobuf codec of bulk messages (`prefix_store.protocol.wire`): FetchResponse and
 PutRequest segment batches. Clear error: InvalidArgument (INVALID_ARGUMENT on a shard; the
 client's fetch fails over). Whatever it accepts, the generated protobuf parser accepts too
 and reads the same values (it may refuse more: groups, which no VeriCache peer sends)."""
@@ -10,8 +10,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import wire
 from prefix_store.errors import InvalidArgument
+from prefix_store.protocol import wire
 from tests.fuzz.mutate import memory_cap, mutated
 
 MASK = 2**32 - 1

@@ -13,8 +13,8 @@ from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store.client.transfer import host_port
-from prefix_store.data_plane import ERROR, HEADER, read_error, redemption
 from prefix_store.errors import NotFound
+from prefix_store.protocol.frames import ERROR, HEADER, read_error, redemption
 from tests.prefix_store.conftest import LAYOUT, random_kv
 
 TOKENS = list(range(3000, 3000 + 16 * 6 + 9))

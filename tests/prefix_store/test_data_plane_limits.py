@@ -16,15 +16,9 @@ import time
 
 import pytest
 
-from prefix_store.data_plane import (
-    HEADER,
-    DataPlane,
-    DataPlaneLimits,
-    read_error,
-    redemption,
-    token_key,
-)
+from prefix_store.data_plane import DataPlane, DataPlaneLimits
 from prefix_store.errors import LimitExceeded
+from prefix_store.protocol.frames import HEADER, read_error, redemption, token_key
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ import grpc
 import pytest
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import wire
 from prefix_store.config import ShardConfig
-from prefix_store.data_plane import HEADER, OK, read_error, read_frame_header, redemption
 from prefix_store.layout import KVLayout
 from prefix_store.pace import PutBounds
+from prefix_store.protocol import wire
+from prefix_store.protocol.frames import HEADER, OK, read_error, read_frame_header, redemption
 from prefix_store.server import server_options
 from prefix_store.shard import Deletable
 from tests.prefix_store.conftest import LAYOUT

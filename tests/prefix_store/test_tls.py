@@ -26,9 +26,9 @@ from cluster.cli import main
 from prefix_store.client import AsyncStoreClient
 from prefix_store.client.transfer import host_port
 from prefix_store.config import ClientConfig
-from prefix_store.data_plane import ERROR, OK, error_frame
 from prefix_store.errors import Unavailable
 from prefix_store.metadata import Metadata
+from prefix_store.protocol.frames import ERROR, OK, error_frame
 from prefix_store.tls import TLSClientConfig, TLSConfig, client_context
 from tests.prefix_store.conftest import LAYOUT, random_kv
 

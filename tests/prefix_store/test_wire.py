@@ -7,9 +7,9 @@ import os
 import pytest
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import wire
 from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument
+from prefix_store.protocol import wire
 
 SEGMENTS = [
     (0, 0, (os.urandom(300),)),
