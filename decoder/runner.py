@@ -17,8 +17,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,41 +36,12 @@ from decoder.kernels import (
     rms_norm,
     swiglu,
 )
-from decoder.kv_cache import KVCache, SeqCache
+from decoder.kv_cache import KVCache
 from decoder.quant import LinearFn, int8_engine, low_precision_linear
+from decoder.selfcheck import check_exact_mode
+from decoder.seq_input import Logits, SeqInput
 from decoder.weights import LayerWeights, ModelWeights
 from prefix_store.attention import fold
-
-Logits = Literal["all", "last", "none"]
-
-
-@dataclass
-class SeqInput:
-    """New tokens of one sequence for a forward call."""
-
-    tokens: torch.Tensor  # [t] int64
-    positions: torch.Tensor  # [t] int64 absolute positions, increasing, after the cache's
-    cache: SeqCache
-    logits: Logits = "last"
-    """Which of the new tokens need logits."""
-    observe: int = 0
-    """Capture the rotated (unscaled) queries of this many trailing new tokens at every layer
-    into `observed` (what compressors such as SnapKV score the prefix with)."""
-    observed: list[torch.Tensor] = field(default_factory=list)
-    """Filled by `forward` when `observe > 0`: one [observe, H, D] tensor per layer."""
-
-    @classmethod
-    def extend(
-        cls,
-        cache: SeqCache,
-        tokens: Sequence[int] | torch.Tensor,
-        logits: Logits = "last",
-        observe: int = 0,
-    ) -> SeqInput:
-        """Tokens that continue `cache` at the next consecutive positions."""
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        start = cache.next_position
-        return cls(ids, torch.arange(start, start + ids.numel()), cache, logits, observe)
 
 
 class ModelRunner:
@@ -281,9 +251,7 @@ class ModelRunner:
             )
 
     def _check_exact(self) -> None:
-        from decoder.selfcheck import check_exact_mode
-
-        self._exact_problem = check_exact_mode(self.config, self.weights, self.rc)
+        self._exact_problem = check_exact_mode(type(self), self.config, self.weights, self.rc)
         self._exact_checked = True
 
     def _plan(self, seq: SeqInput) -> AttentionPlan:

@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,17 +32,24 @@ import torch
 
 from decoder.config import ModelConfig, RunnerConfig
 from decoder.kernels import exact_kernel_id
+from decoder.seq_input import SeqInput
+from decoder.views import SharedPrefixView
 from decoder.weights import ModelWeights
+from prefix_store.attention.kernel import cache_dir as kernel_cache_dir
 
 log = logging.getLogger(__name__)
 _RESULTS: dict[tuple, str | None] = {}
 CHECKED_LAYERS = 2
-SOURCES = ("selfcheck.py", "runner.py", "kernels.py", "views.py", "kv_cache.py")
+SOURCES = ("selfcheck.py", "runner.py", "seq_input.py", "kernels.py", "views.py", "kv_cache.py")
 """The decoder modules whose code the check exercises: a change to one runs it again."""
 
 
-def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
-    """None when exact mode holds here, else a one-line description of the first violation."""
+def check_exact_mode(
+    runner_type: Callable, config: ModelConfig, weights: ModelWeights, rc: RunnerConfig
+) -> str | None:
+    """None when exact mode holds here, else a one-line description of the first violation.
+    `runner_type(config, weights, rc)` builds the runner checked (`ModelRunner` itself: the
+    runner calls this before its first exact forward)."""
     key = (
         config,
         replace(rc, self_check=False),
@@ -56,14 +64,12 @@ def check_exact_mode(config: ModelConfig, weights: ModelWeights, rc: RunnerConfi
         if cached is not None:
             _RESULTS[key] = cached["problem"]
         else:
-            _RESULTS[key] = _run_check(config, weights, rc)
+            _RESULTS[key] = _run_check(runner_type, config, weights, rc)
             _write(path, {"problem": _RESULTS[key], "key": repr(key)})
     return _RESULTS[key]
 
 
 def _cache_path(key: tuple, weights: ModelWeights) -> Path:
-    from decoder.loader import default_cache_dir
-
     digest = hashlib.sha256(repr(key).encode())
     digest.update(f"{platform.machine()}|{_cpu_model()}".encode())
     here = Path(__file__).parent
@@ -73,7 +79,7 @@ def _cache_path(key: tuple, weights: ModelWeights) -> Path:
         for tensor in (layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm, layer.w_gate_up,
                        layer.w_down):  # fmt: skip
             digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return default_cache_dir() / "selfcheck" / f"{digest.hexdigest()[:32]}.json"
+    return kernel_cache_dir() / "selfcheck" / f"{digest.hexdigest()[:32]}.json"
 
 
 def _cpu_model() -> str:
@@ -108,11 +114,11 @@ def _write(path: Path, data: dict) -> None:
         log.info("exact-mode self-check result not cached: %s", error)
 
 
-def _run_check(config: ModelConfig, weights: ModelWeights, rc: RunnerConfig) -> str | None:
-    from decoder.runner import ModelRunner, SeqInput
-
+def _run_check(
+    runner_type: Callable, config: ModelConfig, weights: ModelWeights, rc: RunnerConfig
+) -> str | None:
     layers = min(2, config.num_layers)
-    runner = ModelRunner(
+    runner = runner_type(
         replace(config, num_layers=layers), weights.truncated(layers), replace(rc, self_check=False)
     )
     g = torch.Generator().manual_seed(20260517)
@@ -162,9 +168,6 @@ def _check_shared_prefix(runner, cache, prefix_length: int, tokens: torch.Tensor
     """Two requests over one prefix buffer in one forward (shared-prefix attention) give
     the logits each gives alone. The prefix is the first `prefix_length` tokens of `cache`
     (one full key chunk and part of the next)."""
-    from decoder.runner import SeqInput
-    from decoder.views import SharedPrefixView
-
     buffer = cache.clone(extra_capacity=64)
     buffer.truncate(prefix_length)
     pieces = [tokens[:5], tokens[5:8]]
