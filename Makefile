@@ -1,5 +1,6 @@
-# Entry points: install, demo, test, lint, proto, bench-decode, bench-local, bench-store,
-# bench-remote, bench-cluster, bench-footprint, load, chaos, attack, fuzz.
+# Entry points: install, demo, test, test-fast, test-all, lint, proto, bench-decode,
+# bench-local, bench-store, bench-remote, bench-cluster, bench-footprint, load, chaos, attack,
+# fuzz.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 KERNEL_STAMP := $(VENV)/.kernel-ready
 
-.PHONY: install demo test test-all lint format proto bench-decode bench-local bench-store \
+.PHONY: install demo test test-fast test-all lint format proto bench-decode bench-local bench-store \
 	bench-remote bench-cluster bench-footprint load chaos attack fuzz clean
 
 install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
@@ -42,7 +43,12 @@ demo: install
 # including the `multihost` tests (root: real hosts in network namespaces; they skip,
 # saying why, without root).
 test: install
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" --durations=25
+
+# The inner loop: no `slow` variant and nothing that needs Ray or a subprocess deployment
+# (`cluster`: serve, node start, the testbeds, load/chaos/attack).
+test-fast: install
+	$(PY) -m pytest -m "not slow and not cluster"
 
 test-all: install
 	$(PY) -m pytest

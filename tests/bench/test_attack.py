@@ -10,7 +10,11 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
+
 from bench.attack import ATTACKS, AttackConfig, attack_deployment, run, verdict
+
+pytestmark = pytest.mark.cluster
 
 DID = {
     "2": ("streams opened", "bytes sent"),

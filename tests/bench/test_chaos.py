@@ -6,9 +6,13 @@ exactly the bytes it charges."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.chaos import chaos_deployment, run, selected, verdict
 from bench.load import LoadConfig
 from prefix_store.config import MiB
+
+pytestmark = pytest.mark.cluster
 
 FAULTS = ["shard-kill-fetch", "disk-full", "decoder-kill", "disk-corrupt", "transit-corrupt"]
 

@@ -4,7 +4,11 @@ checked, no operation failing."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.load import OPERATIONS, LoadConfig, deployment_for, run
+
+pytestmark = pytest.mark.cluster
 
 
 def test_a_short_load_loses_nothing_and_sends_no_wrong_token(

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.cluster
+
 
 def test_demo_runs_the_service_and_vericache_matches_full(tmp_path):
     command = [

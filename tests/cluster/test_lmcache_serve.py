@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli import main
@@ -14,6 +15,8 @@ from prefix_store.config import MiB
 from prefix_store.metrics import scrape
 from tests.cluster.conftest import deployed
 from tests.prefix_store.test_lmcache_gateway import LMCacheClient, key, same
+
+pytestmark = pytest.mark.cluster
 
 
 def test_serve_starts_a_gateway_that_lmcache_uses(redis_server, tmp_path, metadata, capsys):

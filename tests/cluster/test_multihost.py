@@ -25,7 +25,7 @@ from decoder.store_source import kv_layout
 from prefix_store.client import StoreClient
 from tests.cluster.conftest import DRIVER
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.cluster]
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ("head", "storage1", "storage2", "decoder1")

@@ -148,6 +148,7 @@ def test_a_worker_without_the_token_does_not_start(tmp_path, monkeypatch, capsys
     assert "Ray token file" in err and "missing" in err and err.count("\n") == 0
 
 
+@pytest.mark.cluster
 def test_a_head_started_by_node_start_refuses_a_driver_without_the_token(tmp_path, monkeypatch):
     """The head's real `ray start` with the command and environment `node start` builds: a
     driver with no token (nor any ~/.ray/auth_token) is refused; one with it connects."""

@@ -20,6 +20,8 @@ from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
 
+pytestmark = pytest.mark.cluster
+
 NEW = 24
 SERVICE = {"resident_prefixes": False}
 """Every verification pulls from the shards (what these tests exercise: pulls, failover,

@@ -26,6 +26,8 @@ from decoder.service.client import DecoderClient, GenerateReply
 from decoder.store_source import kv_layout
 from prefix_store.client import StoreClient
 
+pytestmark = pytest.mark.cluster
+
 NEW = 24
 LONG = 64  # the other tenant's request: still decoding while the first one runs
 

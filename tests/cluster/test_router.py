@@ -21,6 +21,8 @@ from decoder.service.client import DecoderClient, GenerateReply
 from prefix_store.config import MiB
 from tests.cluster.conftest import deployed
 
+pytestmark = pytest.mark.cluster
+
 NEW = 24
 
 

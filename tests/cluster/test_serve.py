@@ -27,6 +27,8 @@ from prefix_store.config import ClientConfig, MiB
 from prefix_store.layout import KVLayout
 from tests.cluster.conftest import deployed, driver
 
+pytestmark = pytest.mark.cluster
+
 LAYOUT = KVLayout("test-model@1", "float32", num_layers=8, num_kv_heads=4, head_dim=64)
 TOKENS = list(range(7, 7 + 4096 + 100))
 

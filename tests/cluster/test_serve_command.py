@@ -17,6 +17,8 @@ from cluster.cli import main
 from decoder.service import DecoderClient
 from prefix_store.client import StoreClient
 
+pytestmark = pytest.mark.cluster
+
 
 def test_serve_embedded_prints_endpoints_and_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VERICACHE_HOME", str(tmp_path))
