@@ -74,6 +74,8 @@ def _read(path: Path) -> dict:
         raise ConfigError(f"--config {path}: not YAML ({str(error).splitlines()[0]})") from None
     except RecursionError:
         raise ConfigError(f"--config {path}: not YAML (nested too deeply)") from None
+    except (ValueError, OverflowError) as error:  # e.g. "\UFFFFFFFF", past the last code point
+        raise ConfigError(f"--config {path}: not YAML ({error})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

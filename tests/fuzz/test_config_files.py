@@ -72,6 +72,8 @@ def serve_config(tmp_path, document: bytes, environ: dict[str, str]):
 @example(b"a: &a [*a, *a]\n")  # a recursive alias
 @example(b"shards: !!python/object:os.system ls\n")  # a tag safe_load refuses
 @example(b"\xff\xfe")
+@example(b'a: "\\UFFFFFFFF"\n')  # an escape past what chr() takes: was OverflowError
+@example(b'a: "\\U00110000"\n')  # past the last code point: was ValueError
 def test_config_files(tmp_path, document):
     try:
         config = serve_config(tmp_path, document, {})
