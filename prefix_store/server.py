@@ -16,13 +16,9 @@ import logging
 import struct
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
@@ -32,7 +28,6 @@ from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import DataPlane, head_major, send_frames
 from prefix_store.errors import Aborted, InvalidArgument, PermissionDenied
-from prefix_store.health import HealthServicer
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallLimits, IdleStreams, TenantSlots
 from prefix_store.metadata import Metadata, Tenant
@@ -55,7 +50,8 @@ from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
 from prefix_store.shard_metrics import ShardMetrics
 from prefix_store.shares import FairShare
 from prefix_store.status import abort, code_of
-from prefix_store.tls import bind, server_context
+from prefix_store.tls import server_context
+from rpc.server import client_stream, grpc_server, parse, peer_host
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.PrefixStore"
@@ -150,32 +146,6 @@ def run_all(actions) -> None:
             actions[0]()
         finally:
             run_all(actions[1:])
-
-
-def parse(message_class, raw: bytes):
-    try:
-        return message_class.FromString(raw)
-    except DecodeError as error:
-        raise InvalidArgument(f"{message_class.__name__}: malformed message ({error})") from error
-
-
-def client_stream(requests):
-    """The client's messages; a client that goes away mid-stream ends the RPC as ABORTED."""
-    try:
-        yield from requests
-    except grpc.RpcError as error:
-        raise Aborted("the client went away mid-stream; nothing was stored") from error
-
-
-def peer_host(peer: str) -> str:
-    """The address of a gRPC peer ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000"), as the data
-    plane sees the same client; "" when it is not an IP peer (then any address may redeem)."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0]
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]").removeprefix("::ffff:")
-    return ""
 
 
 def proof_message(proof: Proof) -> pb.ChunkProof:
@@ -779,25 +749,10 @@ def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
 def create_server(servicer: PrefixStoreServicer, config: ShardConfig) -> tuple[grpc.Server, int]:
     """A server with the store, health checking and reflection; binds `config.port`
     (0 = a free port; TLS when `config.tls`) and returns the port actually bound."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="store"),
-        options=server_options(config),
-    )
-    server.add_generic_rpc_handlers((handlers(servicer),))
-    health_servicer = HealthServicer((SERVICE, ""))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            pb.DESCRIPTOR.services_by_name["PrefixStore"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    port = bind(server, f"{config.host}:{config.port}", config.tls)
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    return server, port
+    return grpc_server(
+        handlers(servicer), SERVICE, f"{config.host}:{config.port}", config.tls,
+        workers=config.workers, name="store", options=server_options(config),
+    )  # fmt: skip
 
 
 class ShardServer:

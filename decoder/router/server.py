@@ -34,8 +34,8 @@ from decoder.service.status import abort, code_of
 from prefix_store.auth import bearer_token
 from prefix_store.limits import CallLimits
 from prefix_store.metrics import RpcMetrics, metrics_endpoint
-from prefix_store.server import parse
 from prefix_store.status import busy_retry_s
+from rpc.server import parse
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.service.config import DecoderConfig
@@ -28,11 +25,9 @@ from decoder.service.status import abort, code_of
 from decoder.service.worker import DecoderWorker
 from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
-from prefix_store.health import HealthServicer
 from prefix_store.limits import CallLimits
 from prefix_store.metrics import metrics_endpoint
-from prefix_store.server import parse, peer_host
-from prefix_store.tls import bind
+from rpc.server import grpc_server, parse, peer_host
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
@@ -147,25 +142,11 @@ def decoder_service(servicer, workers: int, host: str, port: int, tls, name: str
     """A gRPC server serving the Decoder service with `servicer` (a decoder's or a
     router's: the same methods), health checking and reflection, bound to host:port (TLS
     when `tls`); (server, the port bound)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name),
-        options=[("grpc.max_receive_message_length", 64 << 20)],
-    )
-    server.add_generic_rpc_handlers((handlers(servicer),))
-    health_servicer = HealthServicer((SERVICE, ""))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            dpb.DESCRIPTOR.services_by_name["Decoder"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    bound = bind(server, f"{host}:{port}", tls)
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    return server, bound
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    return grpc_server(
+        handlers(servicer), SERVICE, f"{host}:{port}", tls, workers=workers, name=name,
+        options=options,
+    )  # fmt: skip
 
 
 class DecoderServer:

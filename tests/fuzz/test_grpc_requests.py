@@ -16,7 +16,8 @@ from vericache.v1 import prefix_store_pb2 as pb
 from prefix_store.errors import InvalidArgument
 from prefix_store.layout import KVLayout
 from prefix_store.protocol import wire
-from prefix_store.server import REQUESTS, STREAMS, parse
+from prefix_store.server import REQUESTS, STREAMS
+from rpc.server import parse
 from tests.fuzz.mutate import memory_cap, mutated, share
 from tests.hostile import BROKEN, Method, call
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefix_store.health import HealthServicer
+from rpc.health import HealthServicer
 from tests.waiting import eventually
 
 SERVICE = "vericache.v1.PrefixStore"
