@@ -5,7 +5,6 @@ their callers retry on another decoder. Real engine and built-in model."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -14,13 +13,7 @@ from decoder.engine import Engine, EngineConfig, Request, prefill_prefix
 from decoder.errors import ShuttingDown
 from decoder.service.scheduler import Scheduler
 from decoder.service.status import code_of
-
-
-def _eventually(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+from tests.waiting import eventually
 
 
 def test_stop_fails_what_was_queued_and_what_comes_later(builtin_model, builtin_runner):
@@ -39,14 +32,14 @@ def test_stop_fails_what_was_queued_and_what_comes_later(builtin_model, builtin_
 
     waiter = threading.Thread(target=second)
     waiter.start()
-    _eventually(lambda: len(scheduler._jobs) == 1)
+    assert eventually(lambda: len(scheduler._jobs) == 1)
     engine = Engine(builtin_runner, EngineConfig(mode="full"), builtin_model.eos_token_ids)
     scheduler.add_engine(engine)
     prefix = prefill_prefix(builtin_runner, builtin_model.encode("def add(a, b):"))
     ticket = scheduler.submit(engine, Request(prefix, [13], 4), lambda tokens: None)
     stopping = threading.Thread(target=scheduler.stop)
     stopping.start()
-    _eventually(lambda: scheduler._stopped)
+    assert eventually(lambda: scheduler._stopped)
     release.set()
     for thread in (first, waiter, stopping):
         thread.join(timeout=10)
