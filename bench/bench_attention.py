@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decoder.kernels import AttentionPlan, exact_attention, exact_kernel_id  # noqa: E402
 from decoder.progress import note, progress  # noqa: E402
+from numerics.cpu.forward import AttentionPlan, exact_attention, exact_kernel_id  # noqa: E402
 
 HEADS, KV_HEADS, DIM, CHUNK = 9, 3, 64, 256
 

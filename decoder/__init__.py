@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 # Exact mode needs matrix kernels whose per-row results do not depend on how many rows are
-# computed together (decoder.kernels; proved at start-up by decoder.selfcheck). oneDNN's
+# computed together (numerics.cpu.forward; proved at start-up by decoder.selfcheck). oneDNN's
 # AVX-512 fp32 kernels (found on AMD EPYC with AVX-512) block rows differently by row
 # count, so a token's logits changed with its batch; its AVX2 kernels do not. oneDNN reads
 # this once, at its first primitive, so it is set before anything in the decoder runs (an

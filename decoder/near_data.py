@@ -5,7 +5,7 @@ prefix. Pulling the prefix's full KV for it moves bytes that scale with the pref
 here the decoder keeps only the prefix's last, partial store chunk (`head`, fetched once,
 under `base` tokens of the next full chunk) and, per layer, sends the pass's query rows to
 the shards holding the prefix's full chunks. Each shard returns its chunks' attention
-partials, computed with the very kernel the decoder runs (`prefix_store.attention`; equal
+partials, computed with the very kernel the decoder runs (`numerics.cpu.partials`; equal
 kernel fingerprints are required), and the runner folds them in chunk order before its own
 chunks: bitwise what attention over a pulled copy gives. Bytes on the wire per pass scale
 with the rows verified (per layer: the rows' queries out, one partial per chunk and row back),
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoder.staging import PrefixUnavailable
-from prefix_store.attention import Partials, kernel_fingerprint
+from numerics.cpu.partials import Partials, kernel_fingerprint
 from prefix_store.client import CachedPrefix, StoreClient
 from prefix_store.protocol.attend import FLOAT32, MAX_ROWS
 

@@ -7,7 +7,7 @@ to their sequence's cache.
 
 In exact mode (the default) every token's logits and KV are bitwise independent of how
 tokens are grouped into calls, of the other sequences in the batch, and of the context
-that follows it (see `decoder.kernels`). Fast mode uses torch's fused kernels without that
+that follows it (see `numerics.cpu.forward`). Fast mode uses torch's fused kernels without that
 guarantee; it is meant for drafting.
 """
 
@@ -23,7 +23,12 @@ import torch
 
 from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
 from decoder.errors import ExactModeUnsupported
-from decoder.kernels import (
+from decoder.kv_cache import KVCache
+from decoder.quant import LinearFn, int8_engine, low_precision_linear
+from decoder.selfcheck import check_exact_mode
+from decoder.seq_input import Logits, SeqInput
+from decoder.weights import LayerWeights, ModelWeights
+from numerics.cpu.forward import (
     AttentionPlan,
     AttentionState,
     Linear,
@@ -36,12 +41,7 @@ from decoder.kernels import (
     rms_norm,
     swiglu,
 )
-from decoder.kv_cache import KVCache
-from decoder.quant import LinearFn, int8_engine, low_precision_linear
-from decoder.selfcheck import check_exact_mode
-from decoder.seq_input import Logits, SeqInput
-from decoder.weights import LayerWeights, ModelWeights
-from prefix_store.attention import fold
+from numerics.cpu.partials import fold
 
 
 class ModelRunner:

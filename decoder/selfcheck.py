@@ -1,6 +1,6 @@
 """Start-up proof that exact mode is exact on this platform.
 
-Exact mode leans on properties of the platform's kernels (see `decoder.kernels`) that no
+Exact mode leans on properties of the platform's kernels (see `numerics.cpu.forward`) that no
 API promises. Before the first exact forward, the runner pushes the same tokens through
 the model's own shapes grouped in several ways: one prefill, a chunk that crosses a key
 chunk boundary, single-token steps, a batch beside another sequence, and two requests over
@@ -31,17 +31,25 @@ from pathlib import Path
 import torch
 
 from decoder.config import ModelConfig, RunnerConfig
-from decoder.kernels import exact_kernel_id
 from decoder.seq_input import SeqInput
 from decoder.views import SharedPrefixView
 from decoder.weights import ModelWeights
-from prefix_store.attention.kernel import cache_dir as kernel_cache_dir
+from numerics.cpu.forward import exact_kernel_id
+from numerics.cpu.fused import cache_dir as kernel_cache_dir
 
 log = logging.getLogger(__name__)
 _RESULTS: dict[tuple, str | None] = {}
 CHECKED_LAYERS = 2
-SOURCES = ("selfcheck.py", "runner.py", "seq_input.py", "kernels.py", "views.py", "kv_cache.py")
-"""The decoder modules whose code the check exercises: a change to one runs it again."""
+SOURCES = (
+    "decoder/selfcheck.py",
+    "decoder/runner.py",
+    "decoder/seq_input.py",
+    "numerics/cpu/forward.py",
+    "decoder/views.py",
+    "decoder/kv_cache.py",
+)
+"""The modules whose code the check exercises (from the repository root): a change to one
+runs it again."""
 
 
 def check_exact_mode(
@@ -72,9 +80,9 @@ def check_exact_mode(
 def _cache_path(key: tuple, weights: ModelWeights) -> Path:
     digest = hashlib.sha256(repr(key).encode())
     digest.update(f"{platform.machine()}|{_cpu_model()}".encode())
-    here = Path(__file__).parent
+    root = Path(__file__).parent.parent
     for name in SOURCES:
-        digest.update((here / name).read_bytes())
+        digest.update((root / name).read_bytes())
     for layer in weights.layers[:CHECKED_LAYERS]:
         for tensor in (layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm, layer.w_gate_up,
                        layer.w_down):  # fmt: skip

@@ -1,7 +1,7 @@
 """Near-data attention on a shard: the server side of `Attend` (see the .proto).
 
 A decoder sends, per layer, the query rows of a verification pass; the shard answers with
-attention partials over the full chunks it holds of the prefix (`attention.chunk_partials`,
+attention partials over the full chunks it holds of the prefix (`near_data.chunk_partials`,
 the kernel the decoder folds them with), so the chunks' KV never leaves the shard.
 
 `AttendSession` is one stream: its chunks are leased from the header until it closes, each
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import attention, faults
+from numerics.cpu import partials as near_data
+from prefix_store import faults
 from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument, KernelMismatch
 from prefix_store.layout import KVLayout
@@ -32,7 +33,7 @@ from prefix_store.shard import ChunkRef, FetchStream, Shard
 
 def kernel_fingerprint(enabled: bool = True) -> str:
     """The kernel this process computes partials with ("" = none: Attend is refused)."""
-    return attention.kernel_fingerprint() if enabled else ""
+    return near_data.kernel_fingerprint() if enabled else ""
 
 
 def short(fingerprint: str) -> str:
@@ -151,7 +152,7 @@ class AttendSession:
         start = time.perf_counter()
         q = self._query(query)  # [T, H, D]
         keys, values = self._layer(query.layer)  # each [KVH, n, D] per chunk
-        partials = attention.chunk_partials(q, keys, values)
+        partials = near_data.chunk_partials(q, keys, values)
         m, denom, acc = (as_bytes(t) for t in (partials.m, partials.l, partials.acc))
         crc = crc32c(acc, crc32c(denom, crc32c(m)))
         m, denom, acc = (bytes(b) for b in faults.TRANSIT.tamper([m, denom, acc]))

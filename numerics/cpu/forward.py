@@ -14,7 +14,7 @@ computed alongside. It rests on three facts that `decoder.selfcheck` proves at s
   present) never enter its result.
 
 Exact attention has two implementations with different bits: the fused C++ kernel
-(`prefix_store.attention.kernel`, one pass per key chunk with an online softmax, each query row
+(`numerics.cpu.fused`, one pass per key chunk with an online softmax, each query row
 computed on its own) and the torch one below (the fallback). `exact_kernel_id` names the
 one a process uses; exact KV is stored and looked up under it.
 """
@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from decoder.config import RopeConfig, ceil_to
-from prefix_store.attention import kernel as fused_ext
+from numerics.cpu import fused as fused_ext
+
+if TYPE_CHECKING:  # numerics import no decoder module at run time
+    from decoder.config import RopeConfig
 
 TORCH_KERNEL_ID = "torch-v1"
 
@@ -175,7 +178,7 @@ class AttentionPlan:
         for start in range(0, q_pos.shape[0], query_block):
             end = min(q_pos.shape[0], start + query_block)
             rows = (end - start) * group
-            row_pos = torch.zeros(ceil_to(rows, row_tile), dtype=torch.long)
+            row_pos = torch.zeros(_ceil_to(rows, row_tile), dtype=torch.long)
             row_pos[:rows] = q_pos[start:end].repeat_interleave(group)
             n_chunks = int(q_pos[start:end].max()) // key_chunk + 1
             first = int(q_pos[start:end].min()) // key_chunk
@@ -373,3 +376,8 @@ def fast_attention(
         enable_gqa=True,
     )  # [1, H, T, D]
     return out[0].transpose(0, 1)
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= n and >= multiple (`decoder.config.ceil_to`)."""
+    return max(multiple, math.ceil(n / multiple) * multiple)

@@ -1,4 +1,4 @@
-"""The fused exact-attention kernel (prefix_store/attention/csrc/exact_attention.cpp): build,
+"""The fused exact-attention kernel (numerics/cpu/csrc/exact_attention.cpp): build,
 load, identity.
 
 `make install` builds it ahead of time (`build()`); at run time `module()` imports the
@@ -8,13 +8,17 @@ changes the binary: the source, the compiler flags, torch's version and the Pyth
 
 When the kernel cannot be used (the CPU lacks AVX2/FMA, the build fails, or
 `VERICACHE_EXACT_KERNEL=torch`), `module()` returns None after one warning and exact mode
-runs the torch implementation in `decoder.kernels`. The two give different bits, so the
+runs the torch implementation in `numerics.cpu.forward`. The two give different bits, so the
 kernel in use is part of the identity of the exact KV a decoder stores and looks up
-(`decoder.kernels.exact_kernel_id`).
+(`numerics.cpu.forward.exact_kernel_id`).
 
-It lives in the store's package because shards run it too: near-data attention
-(`prefix_store.attention`) computes attention partials over stored chunks with the very
-kernel decoders fold them with. It knows nothing of models.
+It lives in `numerics`, beside the decoder's other kernels, because shards run it too:
+near-data attention (`numerics.cpu.partials`) computes attention partials over stored chunks
+with the very kernel decoders fold them with. It knows nothing of models.
+
+The identity hashes the source's bytes, never its path: moving the file changes nothing,
+but editing it (a comment included) changes every exact KV key and fingerprint. So the
+source's own comments still name its former path, prefix_store/attention/kernel.py.
 """
 
 from __future__ import annotations

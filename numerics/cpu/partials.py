@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefix_store.attention import kernel
+from numerics.cpu import fused
 
 __all__ = ["Partials", "chunk_partials", "fold", "kernel_fingerprint"]
 
@@ -56,11 +56,11 @@ class Partials:
 
 def available() -> bool:
     """Whether this process runs the fused kernel (near-data attention needs it)."""
-    return kernel.module() is not None
+    return fused.module() is not None
 
 
 def _module():
-    module = kernel.module()
+    module = fused.module()
     if module is None:
         raise RuntimeError("near-data attention needs the fused exact-attention kernel")
     return module
@@ -99,7 +99,7 @@ def kernel_fingerprint() -> str:
     """
     if not available():
         return ""
-    h = hashlib.sha256(kernel.source_digest().encode())
+    h = hashlib.sha256(fused.source_digest().encode())
     for heads, kv_heads, dim, tokens in ((4, 2, 64, 5), (3, 1, 24, 2)):
         q = _vector((tokens, heads, dim), 1)
         keys = [_vector((kv_heads, 256, dim), 2 + c) for c in range(3)]

@@ -29,7 +29,7 @@ import grpc
 import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store import attention
+from numerics.cpu import partials as attention
 from prefix_store.blob import crc32c
 from prefix_store.client.core import ClientCore, exhausted, failover_error
 from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, group_by_owner

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from decoder.config import ModelConfig
-from decoder.kernels import TORCH_KERNEL_ID, exact_kernel_id, fused_kernel
 from decoder.store_source import kv_layout
-from prefix_store.attention import kernel as fused_ext
+from numerics.cpu import fused as fused_ext
+from numerics.cpu.forward import TORCH_KERNEL_ID, exact_kernel_id, fused_kernel
 from prefix_store.keys import chunk_keys
 from tests.prefix_store.conftest import Store, random_kv
 

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from decoder.config import ModelConfig, RunnerConfig
-from decoder.kernels import (
+from decoder.runner import ModelRunner, SeqInput
+from decoder.weights import random_weights
+from numerics.cpu import fused as fused_ext
+from numerics.cpu.forward import (
     TORCH_KERNEL_ID,
     AttentionPlan,
     AttentionState,
@@ -21,9 +24,6 @@ from decoder.kernels import (
     exact_kernel_id,
     fused_kernel,
 )
-from decoder.runner import ModelRunner, SeqInput
-from decoder.weights import random_weights
-from prefix_store.attention import kernel as fused_ext
 
 pytestmark = pytest.mark.skipif(
     fused_kernel(64) is None, reason="the fused kernel is unavailable on this machine"

@@ -14,7 +14,7 @@ from decoder.generate import generate_full
 from decoder.near_data import NearData
 from decoder.sampling import SamplingParams
 from decoder.store_source import StoreKVSource, kv_layout, publish_source
-from prefix_store.attention import available
+from numerics.cpu.partials import available
 from tests.prefix_store.conftest import Store
 
 pytestmark = pytest.mark.skipif(not available(), reason="near-data attention needs the kernel")

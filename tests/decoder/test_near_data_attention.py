@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from decoder.config import RunnerConfig
-from decoder.kernels import fused_kernel
 from decoder.kv_cache import KVCache, LayerKV
 from decoder.runner import ModelRunner, SeqInput
 from decoder.views import SharedPrefixView
 from decoder.weights import random_weights
-from prefix_store.attention import chunk_partials
+from numerics.cpu.forward import fused_kernel
+from numerics.cpu.partials import chunk_partials
 from tests.decoder.test_shared_prefix_attention import CHUNK, CONFIG, tokens
 
 pytestmark = pytest.mark.skipif(

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from decoder.config import ModelConfig, RunnerConfig
-from decoder.kernels import fused_kernel
 from decoder.kv_cache import KVCache
 from decoder.runner import ModelRunner, SeqInput
 from decoder.views import SharedPrefixView
 from decoder.weights import random_weights
+from numerics.cpu.forward import fused_kernel
 
 CONFIG = ModelConfig(
     vocab_size=400,

@@ -14,7 +14,7 @@ import torch
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store import attention
+from numerics.cpu import partials as attention
 from prefix_store.errors import KernelMismatch, LimitExceeded, NotFound, Unavailable
 from prefix_store.faults import TRANSIT
 from prefix_store.layout import KVLayout

@@ -1,13 +1,13 @@
 """Near-data attention's kernel contract: chunk partials computed anywhere, folded in order,
-are bitwise the decoder's own one-call attention (prefix_store.attention)."""
+are bitwise the decoder's own one-call attention (numerics.cpu.partials)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from decoder.kernels import AttentionState, attend_chunks
-from prefix_store.attention import Partials, available, chunk_partials, fold, kernel_fingerprint
+from numerics.cpu.forward import AttentionState, attend_chunks
+from numerics.cpu.partials import Partials, available, chunk_partials, fold, kernel_fingerprint
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs the fused exact-attention kernel")
 

@@ -13,7 +13,7 @@ import pytest
 from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
-from prefix_store.attention import available
+from numerics.cpu.partials import available
 from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
 
