@@ -7,6 +7,16 @@ import gc
 import pytest
 
 
+def pytest_collection_finish(session):
+    """What collection leaves alive (imported modules, collected tests: about 300,000
+    objects once torch, gRPC and hypothesis are in) lives for the whole session: frozen out
+    of the cycle collector, so that `_collect_cycles` walks only what tests create since
+    (a full collection falls from ~0.2 s to a few ms). Garbage is collected first, so
+    nothing that could be freed is frozen; frozen objects are still freed by refcount."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _collect_cycles():
     """A test's servers and workers (each with a model runner of ~1 GB, in reference cycles

@@ -20,6 +20,7 @@ from prefix_store.faults import TRANSIT
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallBounds
 from tests.prefix_store.conftest import random_kv
+from tests.waiting import eventually
 
 LAYOUT = KVLayout(
     "attend-model@1", "float32", num_layers=2, num_kv_heads=2, head_dim=16, chunk_tokens=16
@@ -314,14 +315,15 @@ def test_attend_streams_per_tenant_are_bounded(store, metadata):
 
 
 def test_a_quiet_stream_cut_by_the_shard_is_reopened_on_the_same_shard(store, metadata):
-    store.start("shard-0", calls=CallBounds(stream_idle_s=0.3))
+    server = store.start("shard-0", calls=CallBounds(stream_idle_s=0.3))
     token = metadata.add_tenant("alice")
     with store.client(token) as client:
         prefix, kv = publish(client, 16 * 2)
         with client.open_attention(prefix, HEADS, KERNEL) as session:
             q = rows(2, seed=4)
             assert_bitwise(session.query(0, q), local(kv, 2, 0, q))
-            time.sleep(1.5)  # the shard cancels the quiet stream
+            # the shard cancels the quiet stream: its call slot comes back
+            assert eventually(lambda: server.servicer.limits.in_flight() == 0, timeout_s=5)
             assert_bitwise(session.query(1, q), local(kv, 2, 1, q))
             assert client.suspects() == frozenset()
     assert store.servers["shard-0"].servicer.attend_stats.streams == 2

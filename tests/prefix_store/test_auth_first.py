@@ -17,6 +17,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from cluster.redis_server import RedisServer
 from prefix_store.metadata import Metadata, redact_url
+from prefix_store.throttle import AuthBounds
 from tests.prefix_store.conftest import Store
 from tests.waiting import eventually
 
@@ -123,14 +124,14 @@ def test_no_caller_and_no_log_line_sees_the_redis_url_while_redis_is_down(
     host_port = f"{own_redis.host}:{own_redis.port}"
     token = Metadata(url).add_tenant("alice")
     store = Store(url, tmp_path)
-    store.start()
+    store.start(auth=AuthBounds(cache_s=1.0))  # the cached token expires within the test
     try:
         with grpc.insecure_channel(store.endpoints[0]) as channel:
             assert raw_call(channel, "Describe", b"", auth(token))[0] == grpc.StatusCode.OK
             own_redis.stop()
             # a token cached by the shard (the handler then needs Redis), then not cached
             answers = [raw_call(channel, name, b"", auth(token)) for name in METHODS]
-            time.sleep(2.2)
+            time.sleep(1.2)  # past cache_s: the token is no longer cached
             for metadata in (JUNK, auth(token)):
                 answers += [raw_call(channel, name, b"", metadata) for name in METHODS]
             unavailable = [d for code, d in answers if code == grpc.StatusCode.UNAVAILABLE]
@@ -172,8 +173,6 @@ def test_unknown_tokens_from_one_peer_cost_a_bounded_number_of_redis_gets(store,
     """1,000 distinct unknown tokens from one address: Redis is asked at most the peer's
     burst plus its refill (not once per token); the rest are refused before any I/O with
     RESOURCE_EXHAUSTED naming the limit; a token the shard knows keeps working."""
-    from prefix_store.throttle import AuthBounds
-
     bounds = AuthBounds(failures_burst=10, failures_per_s=1.0)
     store.start(auth=bounds)
     token = metadata.add_tenant("alice")
@@ -195,8 +194,6 @@ def test_unknown_tokens_from_one_peer_cost_a_bounded_number_of_redis_gets(store,
 def test_a_known_token_is_rechecked_unthrottled_and_rotation_still_applies(store, metadata):
     """A throttled peer's known token is asked about again when its cache ends (so rotation
     takes effect within cache_s) without being refused for the peer's failures."""
-    from prefix_store.throttle import AuthBounds
-
     store.start(auth=AuthBounds(cache_s=0.2, failures_burst=1, failures_per_s=0.01))
     token = metadata.add_tenant("alice")
     with grpc.insecure_channel(store.endpoints[0]) as channel:

@@ -17,6 +17,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 from prefix_store.limits import CallBounds
 from prefix_store.status import BUSY_RETRY_MS, RETRY_AFTER
 from tests.prefix_store.conftest import LAYOUT
+from tests.waiting import eventually
 
 PUT = "/vericache.v1.PrefixStore/Put"
 DESCRIBE = "/vericache.v1.PrefixStore/Describe"
@@ -164,7 +165,8 @@ def test_a_refusal_for_busy_is_marked_and_the_sdk_waits_it_out(store, metadata):
     release = threading.Event()
     channel, (held,) = idle_puts(server.address, token, 1, release)
     try:
-        time.sleep(0.5)  # the idle put holds the tenant's only slot
+        # the idle put holds the tenant's only slot
+        assert eventually(lambda: server.servicer.limits.in_flight("patient") == 1)
         _, (refused,) = idle_puts(server.address, token, 1, release)
         error = refused.exception(timeout=10)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

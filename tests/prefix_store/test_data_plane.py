@@ -4,7 +4,6 @@ plain gRPC path for the same requests."""
 from __future__ import annotations
 
 import socket
-import time
 
 import grpc
 import pytest
@@ -16,6 +15,7 @@ from prefix_store.client.transfer import host_port
 from prefix_store.errors import NotFound
 from prefix_store.protocol.frames import ERROR, HEADER, read_error, redemption
 from tests.prefix_store.conftest import LAYOUT, random_kv
+from tests.waiting import eventually
 
 TOKENS = list(range(3000, 3000 + 16 * 6 + 9))
 
@@ -80,8 +80,8 @@ def test_a_ticket_holds_a_lease_until_it_expires_unused(store, metadata):
         ticket = stub.OpenFetch(request, metadata=md)
         assert ticket.total_bytes == LAYOUT.chunk_bytes(len(TOKENS))
         assert server.shard.counts()["leased"] == len(prefix.chunks)
-        time.sleep(1.5)  # the reaper expires it although no other ticket is issued
-        assert server.shard.counts()["leased"] == 0
+        # the reaper expires it although no other ticket is issued
+        assert eventually(lambda: server.shard.counts()["leased"] == 0, timeout_s=5)
         with socket.create_connection(host_port(ticket.data_address), timeout=5) as sock:
             sock.sendall(redemption(ticket.ticket, token))  # expired: no longer works
             magic, *_ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
