@@ -16,16 +16,17 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.errors import NotFound, PermissionDenied, Unauthenticated
 from prefix_store.metadata import DEFAULT_QUOTA
+from prefix_store.throttle import AuthBounds
 from tests.prefix_store.conftest import LAYOUT, random_kv
 
 TOKENS = list(range(500, 540))
-CACHE_S = 2.0  # the servers' authentication cache (prefix_store.auth.Authenticator)
+CACHE_S = 0.5  # the team shard's authentication cache (prefix_store.auth.Authenticator)
 
 
 @pytest.fixture
 def team(store, metadata):
     """docs: owner "own", writers "w1" and "w2", reader "rd"; one shard."""
-    store.start("shard-0")
+    store.start("shard-0", auth=AuthBounds(cache_s=CACHE_S))
     tokens = {name: metadata.add_tenant(name, 0) for name in ("own", "w1", "w2", "rd")}
     metadata.add_shared("docs", ["w1", "w2"], readers=["rd"], owner="own")
     return tokens
@@ -123,14 +124,14 @@ def test_deletes_of_unknown_keys_leave_no_state(store, team):
     shard = store.servers["shard-0"].shard
     with store.client(team["w1"]) as client:
         client.publish_prefix(TOKENS, random_kv(LAYOUT, len(TOKENS)), LAYOUT)
-        claims = len(shard._claims)
+        claims = len(shard.holdings.claims)
         stub = client._stub(store.endpoints[0])
         keys = list(range(1, 5001))
         reply = stub.Delete(
             pb.DeleteRequest(chunk_keys=keys), metadata=client._metadata, timeout=10
         )
         assert reply.chunks == 0
-        assert len(shard._claims) == claims
+        assert len(shard.holdings.claims) == claims
         assert client.lookup(TOKENS, LAYOUT).tokens == len(TOKENS)
 
 
