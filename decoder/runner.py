@@ -185,7 +185,7 @@ class ModelRunner:
             raise ValueError(f"mode must be 'exact' or 'fast', got {mode!r}")
         if exact:
             self.ensure_exact_supported()
-        spans = self._validate(seqs, exact)
+        spans = input_spans(seqs, exact, self.config.vocab_size)
         n = spans[-1][1]
         rows = ceil_to(n, self.rc.row_tile) if exact else n
         positions = torch.zeros(rows, dtype=torch.long)
@@ -327,35 +327,6 @@ class ModelRunner:
             out.append(None if seq.logits == "none" else logits[offset : offset + pick.numel()])
             offset += pick.numel()
         return out
-
-    def _validate(self, seqs: Sequence[SeqInput], exact: bool) -> list[tuple[int, int]]:
-        if not seqs:
-            raise ValueError("forward needs at least one sequence")
-        if len({id(s.cache) for s in seqs}) != len(seqs):
-            raise ValueError("each sequence in one forward call needs its own cache")
-        spans, offset = [], 0
-        for i, s in enumerate(seqs):
-            s.observed.clear()
-            t = s.tokens.numel()
-            if t == 0 or s.tokens.dim() != 1 or s.positions.shape != s.tokens.shape:
-                raise ValueError(f"seqs[{i}]: tokens and positions must be equal non-empty [t]")
-            if int(s.tokens.min()) < 0 or int(s.tokens.max()) >= self.config.vocab_size:
-                raise ValueError(f"seqs[{i}]: token ids must be in [0, {self.config.vocab_size})")
-            start = s.cache.next_position
-            if int(s.positions[0]) < start or (t > 1 and bool((s.positions.diff() <= 0).any())):
-                raise ValueError(f"seqs[{i}]: positions must increase and start at >= {start}")
-            if exact and not (
-                s.cache.dense
-                and int(s.positions[0]) == start
-                and int(s.positions[-1]) == start + t - 1
-            ):
-                raise ValueError(
-                    f"seqs[{i}]: exact mode needs a dense cache and consecutive "
-                    "positions (compressed caches are for fast mode)"
-                )
-            spans.append((offset, offset + t))
-            offset += t
-        return spans
 
 
 class _PrefixStack:
@@ -515,6 +486,36 @@ def _prefix_stacks(seqs, spans, plans, key_chunk: int) -> dict[int, _PrefixStack
             stack = _PrefixStack(members, length // key_chunk, key_chunk, spans, plans)
             stacks.update(dict.fromkeys(members, stack))
     return stacks
+
+
+def input_spans(seqs: Sequence[SeqInput], exact: bool, vocab_size: int) -> list[tuple[int, int]]:
+    """Each sequence's rows [start, end) in one forward's batch, its input checked first
+    (ValueError naming the sequence: tokens, positions, caches, exact mode's density)."""
+    if not seqs:
+        raise ValueError("forward needs at least one sequence")
+    if len({id(s.cache) for s in seqs}) != len(seqs):
+        raise ValueError("each sequence in one forward call needs its own cache")
+    spans, offset = [], 0
+    for i, s in enumerate(seqs):
+        s.observed.clear()
+        t = s.tokens.numel()
+        if t == 0 or s.tokens.dim() != 1 or s.positions.shape != s.tokens.shape:
+            raise ValueError(f"seqs[{i}]: tokens and positions must be equal non-empty [t]")
+        if int(s.tokens.min()) < 0 or int(s.tokens.max()) >= vocab_size:
+            raise ValueError(f"seqs[{i}]: token ids must be in [0, {vocab_size})")
+        start = s.cache.next_position
+        if int(s.positions[0]) < start or (t > 1 and bool((s.positions.diff() <= 0).any())):
+            raise ValueError(f"seqs[{i}]: positions must increase and start at >= {start}")
+        if exact and not (
+            s.cache.dense and int(s.positions[0]) == start and int(s.positions[-1]) == start + t - 1
+        ):
+            raise ValueError(
+                f"seqs[{i}]: exact mode needs a dense cache and consecutive "
+                "positions (compressed caches are for fast mode)"
+            )
+        spans.append((offset, offset + t))
+        offset += t
+    return spans
 
 
 def _same(a: object, b: object) -> bool:
