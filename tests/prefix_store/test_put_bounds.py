@@ -127,7 +127,7 @@ def test_puts_kept_alive_by_empty_batches_hold_nothing_and_are_cut(store, metada
     put = raw_put(channel)
     futures = [put.future(keep_alive(f), metadata=auth(hog), timeout=30) for f in (1, 5000)]
     try:
-        wait_for(lambda: server.shard._receiving_new.get("hog", 0) == 2 * BIG.chunk_bytes(2048))
+        wait_for(lambda: server.shard.receiving.held_new.get("hog", 0) == 2 * BIG.chunk_bytes(2048))
         assert server.shard.received() == 0
         with store.client(victim) as client:
             from tests.prefix_store.conftest import random_kv
@@ -142,7 +142,7 @@ def test_puts_kept_alive_by_empty_batches_hold_nothing_and_are_cut(store, metada
     finally:
         stop.set()
         channel.close()
-    wait_for(lambda: server.shard._receiving_new.get("hog", 0) == 0)
+    wait_for(lambda: server.shard.receiving.held_new.get("hog", 0) == 0)
 
 
 def test_a_data_plane_put_trickling_bytes_is_cut_and_returns_its_reservation(store, metadata):
@@ -175,7 +175,7 @@ def test_a_data_plane_put_trickling_bytes_is_cut_and_returns_its_reservation(sto
     assert (magic, code) == (b"VCER", "DEADLINE_EXCEEDED")
     assert "below the minimum rate" in message
     wait_for(lambda: server.shard.received() == 0)
-    assert server.shard._receiving_new.get("trickler", 0) == 0
+    assert server.shard.receiving.held_new.get("trickler", 0) == 0
 
 
 @pytest.mark.parametrize(
@@ -277,7 +277,7 @@ def test_removing_partial_chunks_leaves_no_index_behind(tmp_path):
         put(shard, tokens)
         shard.delete(SPACE, LAYOUT, tokens)
     assert shard.usage() == {}
-    assert len(shard._partials) == 0
+    assert len(shard.holdings.partials) == 0
 
 
 def test_a_writers_delete_removes_only_its_own_claim(tmp_path):

@@ -32,7 +32,7 @@ def assert_consistent(shard: Shard) -> None:
     assert not list(root.glob("*.tmp"))
     held = set(shard.memory.ids()) | set(shard.disk.ids())
     assert shard.disk.used == sum(shard.disk.get(i).nbytes for i in shard.disk.ids())
-    assert sum(shard.usage().values()) == sum(shard._find(i).nbytes for i in held)
+    assert sum(shard.usage().values()) == sum(shard.holdings.placement.find(i).nbytes for i in held)
     again = Shard(shard.config)
     assert set(again.disk.ids()) == set(shard.disk.ids()) and not again.disk.rejected
 
