@@ -58,7 +58,7 @@ from prefix_store.config import ClientConfig, MiB  # noqa: E402
 from prefix_store.errors import StoreError  # noqa: E402
 from prefix_store.layout import KVLayout  # noqa: E402
 from prefix_store.metadata import Metadata  # noqa: E402
-from prefix_store.status import code_of  # noqa: E402
+from rpc.status import STORE  # noqa: E402
 
 LAYOUT = KVLayout("load-test@1", "float32", num_layers=4, num_kv_heads=2, head_dim=16)
 """Store operations use a small layout: the store's paths, not the bytes, are loaded."""
@@ -131,7 +131,7 @@ class Recorder:
 
 def status_of(error: BaseException) -> str:
     if isinstance(error, StoreError):
-        return code_of(error).name
+        return STORE.code_of(error).name
     return f"exception:{type(error).__name__}"
 
 

@@ -8,8 +8,9 @@ from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_store.metrics import OK, scrape
+from prefix_store.metrics import scrape
 from prefix_store.tls import TLSClientConfig
+from rpc.metrics import OK
 
 
 def live_figures(state: dict, tls: TLSClientConfig | None = None) -> dict[str, dict]:

@@ -50,10 +50,10 @@ class Authenticator:
         self._known: OrderedDict[str, tuple[float, Tenant]] = OrderedDict()  # token: (until, .)
         self._lock = threading.Lock()
 
-    def tenant(self, invocation_metadata, peer: str = "") -> Tenant:
-        """The caller's tenant; `peer` is its address (`server.peer_host`), whose failed
-        authentications are throttled. Unauthenticated, or LimitExceeded when throttled."""
-        token = bearer_token(invocation_metadata)
+    def tenant(self, token: str, peer: str = "") -> Tenant:
+        """The tenant of a caller's bearer token; `peer` is its address (`rpc.server.peer_host`),
+        whose failed authentications are throttled. Unauthenticated, or LimitExceeded when
+        throttled."""
         with self._lock:
             hit = self._known.get(token)
             if hit is not None:

@@ -43,7 +43,7 @@ from prefix_store.protocol.frames import (
     tune,
 )
 from prefix_store.shares import FairShare
-from prefix_store.status import code_of
+from rpc.status import STORE
 
 log = logging.getLogger(__name__)
 
@@ -390,10 +390,10 @@ class DataPlane:
         except OSError as error:  # the client went away, or was too slow: nobody to tell
             log.info("data plane: transfer aborted: %s", error)
         except Exception as error:  # noqa: BLE001 - report it in band, then close
-            if code_of(error).name == "INTERNAL":
+            if STORE.code_of(error).name == "INTERNAL":
                 log.exception("data plane: internal error")
             with contextlib.suppress(OSError):
-                conn.sendall(error_frame(code_of(error).name, str(error)))
+                conn.sendall(error_frame(STORE.code_of(error).name, str(error)))
         finally:
             transfer.close()
 

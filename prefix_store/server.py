@@ -11,11 +11,11 @@ only a request id, logged with its traceback under that id (`status.abort`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import struct
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 import numpy as np
@@ -23,7 +23,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store import attend, faults
-from prefix_store.auth import Authenticator, QuotaGuard, bearer_token, namespace_of
+from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
 from prefix_store.blob import crc32c
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import DataPlane, head_major, send_frames
@@ -49,9 +49,10 @@ from prefix_store.scrub import Scrubber
 from prefix_store.shard import ChunkRef, Deletable, Reservation, Shard
 from prefix_store.shard_metrics import ShardMetrics
 from prefix_store.shares import FairShare
-from prefix_store.status import abort, code_of
 from prefix_store.tls import server_context
+from rpc.handler import Call, Gate, serialize, streaming, unary
 from rpc.server import client_stream, grpc_server, parse, peer_host
+from rpc.status import STORE
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.PrefixStore"
@@ -79,50 +80,6 @@ REQUESTS = {
 """The request message of each method with one request; `handlers` passes them raw."""
 STREAMS = {"Put": None, "PutArtifact": pb.PutArtifactRequest, "Attend": pb.AttendRequest}
 """The message of each client stream; None: the handler parses the raw bytes (Put: `wire`)."""
-
-
-class Call:
-    """A call's context, with the tenant it authenticated as before its request was read."""
-
-    def __init__(self, context: grpc.ServicerContext, tenant: Tenant) -> None:
-        self.context = context
-        self.tenant = tenant
-
-    def __getattr__(self, name: str):
-        return getattr(self.context, name)
-
-
-def unary(method):
-    """A handler with one response: authenticate, take one of the caller's call slots,
-    then read the request, then serve."""
-
-    @functools.wraps(method)
-    def handler(self, raw, context):
-        try:
-            with self.metrics.rpc.call(method.__name__, code_of):
-                call = self.authenticate(context)
-                with self.admit(call.tenant):
-                    return method(self, self.request(method.__name__, raw, context), call)
-        except Exception as error:  # noqa: BLE001 - every failure gets a precise status
-            abort(context, error, f"PrefixStore.{method.__name__}")
-
-    return handler
-
-
-def streaming(method):
-    """A handler with a response stream: as `unary`, the slot held until the stream ends."""
-
-    @functools.wraps(method)
-    def handler(self, raw, context):
-        try:
-            with self.metrics.rpc.call(method.__name__, code_of):
-                call = self.authenticate(context)
-                with self.admit(call.tenant):
-                    yield from method(self, self.request(method.__name__, raw, context), call)
-        except Exception as error:  # noqa: BLE001
-            abort(context, error, f"PrefixStore.{method.__name__}")
-
-    return handler
 
 
 def once(*actions):
@@ -188,6 +145,9 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         expired), shared by tenant: one tenant's tickets cannot pin the whole store."""
         self.attend_stats = attend.AttendStats()
         self.metrics = ShardMetrics(self, config.metrics.tenant_labels if config.metrics else 32)
+        self.gate = Gate(
+            "PrefixStore", self.metrics.rpc, STORE, self.authenticate, self.admit, self.request
+        )
 
     def check_size(self, name: str, nbytes: int, limit: int | None = None) -> None:
         limit = self.config.max_message_bytes if limit is None else limit
@@ -206,16 +166,15 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         """One of `tenant`'s call slots: its fair share, weighted, or the admin pool."""
         return self.limits.admit(tenant.name, tenant.weight, tenant.admin)
 
-    def authenticate(self, context: grpc.ServicerContext) -> Call:
-        """The call as its caller, from its metadata alone: no request byte is read first."""
-        tenant = self.auth.tenant(context.invocation_metadata(), peer_host(context.peer()))
-        return Call(context, tenant)
+    def authenticate(self, token: str, peer: str) -> AbstractContextManager[Tenant]:
+        """The caller's tenant, from its token alone: no request byte is read first."""
+        return nullcontext(self.auth.tenant(token, peer))
 
-    def request(self, method: str, raw, context):
+    def request(self, method: str, raw, call: Call):
         """`method`'s request parsed from `raw`; a client stream's messages parsed as read
         (and the call cancelled when its next message is overdue)."""
         if method in STREAMS:
-            raw = self.idle.watch(context, iter(raw))
+            raw = self.idle.watch(call.context, iter(raw))
             return self._messages(STREAMS[method], raw) if STREAMS[method] else raw
         self.check_size(REQUESTS[method].__name__, len(raw), self.request_limit(method))
         return parse(REQUESTS[method], raw)
@@ -229,13 +188,13 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             del message  # neither is kept while the next one is awaited
 
     def _caller(self, call: Call, namespace: str | None = None):
-        tenant = call.tenant
+        tenant = call.caller
         return tenant, (namespace_of(tenant, namespace) if namespace is not None else None)
 
     @staticmethod
     def _owner_key(call: Call) -> bytes:
         """What binds a data-plane ticket to the caller's tenant (see `redemption`)."""
-        return token_key(bearer_token(call.invocation_metadata()))
+        return token_key(call.token)
 
     def _writer(self, call: Call, namespace: str):
         """The caller and `namespace`, which its role must let it write."""
@@ -247,8 +206,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         return tenant, space
 
     @unary
-    def Describe(self, request, context):
-        tenant, _ = self._caller(context)
+    def Describe(self, request, call):
+        tenant, _ = self._caller(call)
         shards = self.metadata.shards()
         replication = self.metadata.replication() or min(2, max(1, len(shards)))
         return pb.DescribeResponse(
@@ -272,8 +231,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         )
 
     @unary
-    def Lookup(self, request, context):
-        tenant, space = self._caller(context, request.namespace)
+    def Lookup(self, request, call):
+        tenant, space = self._caller(call, request.namespace)
         result = self.shard.lookup(
             space, layout_of(request), request.token_ids, request.chunk_indices
         )
@@ -291,22 +250,22 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         )
 
     @unary
-    def Put(self, request_iterator, context):
+    def Put(self, request_iterator, call):
         """Requests arrive serialised (see `wire`): each segment is parsed as a view of its
         message and copied into the put's own buffers (the message is not kept). The bytes
         that arrived stay reserved until the put commits or ends (`PutSession.close`); the
         stream keeps to its deadline and minimum rate (`pace`)."""
         pace = Pace(self.config.puts, 0)
-        with self.pacer.watch(context, pace):
-            return self._put(client_stream(request_iterator), context, pace)
+        with self.pacer.watch(call, pace):
+            return self._put(client_stream(request_iterator), call, pace)
 
-    def _put(self, messages, context, pace: Pace):
+    def _put(self, messages, call, pace: Pace):
         session = None
         try:
             for raw in messages:
                 self.check_size("PutRequest", len(raw))
                 if session is None:
-                    session = self._put_header(raw, context, pace)
+                    session = self._put_header(raw, call, pace)
                 else:
                     done = self._put_part(session, raw, pace)
                     if done is not None:
@@ -317,12 +276,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             if session is not None:
                 session.close()
 
-    def _put_header(self, raw, context, pace: Pace):
+    def _put_header(self, raw, call, pace: Pace):
         part, value = wire.decode_put(raw)
         if part != "header":
             raise InvalidArgument("put: the first message must be a header")
         self.check_size("PutHeader", len(value), self.request_limit("OpenPut"))
-        session = self._begin_put(parse(pb.PutHeader, value), context)
+        session = self._begin_put(parse(pb.PutHeader, value), call)
         pace.declare(session.total_bytes)
         return session
 
@@ -343,8 +302,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             )
         raise InvalidArgument(f"put: unexpected {part or 'empty'} message after header")
 
-    def _begin_put(self, header, context):
-        tenant, space = self._writer(context, header.namespace)
+    def _begin_put(self, header, call):
+        tenant, space = self._writer(call, header.namespace)
         return self.shard.begin_put(
             space,
             layout_of(header),
@@ -356,8 +315,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             getattr(tenant, "weight", None),
         )
 
-    def _fetch_args(self, request, context):
-        _, space = self._caller(context, request.namespace)
+    def _fetch_args(self, request, call):
+        _, space = self._caller(call, request.namespace)
         layout = layout_of(request)
         if not 0 < len(request.chunks) <= MAX_CHUNKS_PER_FETCH:
             raise InvalidArgument(f"chunks: between 1 and {MAX_CHUNKS_PER_FETCH} required")
@@ -366,11 +325,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         return space, layout, refs, request.layer_start, end
 
     @unary
-    def OpenFetch(self, request, context):
+    def OpenFetch(self, request, call):
         if self.data_plane is None:
             raise InvalidArgument("OpenFetch: this shard has no data plane; use Fetch")
-        space, layout, refs, start, end = self._fetch_args(request, context)
-        tenant = context.tenant
+        space, layout, refs, start, end = self._fetch_args(request, call)
+        tenant = call.caller
         leased = sum(layout.segment_bytes(ref.tokens) for ref in refs) * layout.num_layers
         self.leases.acquire(tenant.name, leased, tenant.weight)
         try:
@@ -389,9 +348,9 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             ticket = self.data_plane.issue(
                 lambda conn: send_frames(conn, frames),
                 close,
-                peer_host(context.peer()),
+                peer_host(call.peer()),
                 stream.total_bytes,
-                self._owner_key(context),
+                self._owner_key(call),
                 tenant.name,
                 tenant.weight,
             )
@@ -406,20 +365,20 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         )
 
     @unary
-    def OpenPut(self, request, context):
+    def OpenPut(self, request, call):
         if self.data_plane is None:
             raise InvalidArgument("OpenPut: this shard has no data plane; use Put")
-        session = self._begin_put(request, context)
+        session = self._begin_put(request, call)
         total = session.layer_bytes * session.layout.num_layers
         try:
             ticket = self.data_plane.issue(
                 lambda conn: receive_put(conn, session, self.config.puts),
                 session.close,
-                peer_host(context.peer()),
+                peer_host(call.peer()),
                 total,
-                self._owner_key(context),
-                context.tenant.name,
-                context.tenant.weight,
+                self._owner_key(call),
+                call.caller.name,
+                call.caller.weight,
             )
         except BaseException:
             session.close()
@@ -432,8 +391,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         )
 
     @streaming
-    def Fetch(self, request, context):
-        space, layout, refs, start, end = self._fetch_args(request, context)
+    def Fetch(self, request, call):
+        space, layout, refs, start, end = self._fetch_args(request, call)
         message_bytes = self._message_bytes(request.max_message_bytes)
         for batch in self.shard.fetch(space, layout, refs, start, end, message_bytes):
             # Serialised here (see `wire`): one copy of the stored bytes into the message.
@@ -451,7 +410,7 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         return requested
 
     @unary
-    def PutArtifact(self, request_iterator, context):
+    def PutArtifact(self, request_iterator, call):
         """The id, declaring the size (refused over quota or room before any data), then
         the data, then its checksum; the declared bytes stay reserved while they arrive."""
         messages = client_stream(request_iterator)
@@ -459,12 +418,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         if first is None or first.WhichOneof("part") != "id":
             raise InvalidArgument("put_artifact: the first message must be the id")
         ident = first.id
-        tenant, space = self._writer(context, ident.namespace)
+        tenant, space = self._writer(call, ident.namespace)
         layout = layout_of(ident)
         self.config.layouts.check(layout, "id.layout")
         self._check_spec(ident.compressor)
         pace = Pace(self.config.puts, ident.size, "put_artifact")
-        with self._admit_artifact(ident.size, tenant) as held, self.pacer.watch(context, pace):
+        with self._admit_artifact(ident.size, tenant) as held, self.pacer.watch(call, pace):
             data = self._artifact_data(messages, ident.size, held, pace)
         stored = self.shard.put_artifact(
             space,
@@ -524,9 +483,9 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             raise InvalidArgument(f"compressor: must be 1-{MAX_SPEC} characters")
 
     @streaming
-    def FetchArtifact(self, request, context):
+    def FetchArtifact(self, request, call):
         ident = request.id
-        _, space = self._caller(context, ident.namespace)
+        _, space = self._caller(call, ident.namespace)
         self._check_spec(ident.compressor)
         step = self._message_bytes(request.max_message_bytes)
         data, _, proof = self.shard.fetch_artifact(
@@ -545,12 +504,12 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             )
 
     @streaming
-    def Attend(self, requests, context):
+    def Attend(self, requests, call):
         """Near-data attention (see `prefix_store.attend`): the header leases its chunks,
         then each query is answered with the partials over them, in order."""
-        with self.attend_slots.admit(context.tenant.name):
+        with self.attend_slots.admit(call.caller.name):
             messages = client_stream(requests)
-            session = self._begin_attend(next(messages, None), context)
+            session = self._begin_attend(next(messages, None), call)
             self.attend_stats.opened()
             try:
                 for message in messages:
@@ -558,11 +517,11 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
             finally:
                 session.close()
 
-    def _begin_attend(self, first, context) -> attend.AttendSession:
+    def _begin_attend(self, first, call) -> attend.AttendSession:
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("attend: the first message must be the header")
         header = first.header
-        _, space = self._caller(context, header.namespace)
+        _, space = self._caller(call, header.namespace)
         return attend.open_session(
             self.shard,
             space,
@@ -585,10 +544,10 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         return response
 
     @unary
-    def Delete(self, request, context):
+    def Delete(self, request, call):
         """Deletes what the caller may: a namespace's owner anything in it, a writer what it
         stored itself (its quota pays for it); readers nothing."""
-        tenant, space = self._writer(context, request.namespace)
+        tenant, space = self._writer(call, request.namespace)
         if len(request.chunk_keys) > MAX_CHUNKS_PER_FETCH:
             raise InvalidArgument(f"chunk_keys: at most {MAX_CHUNKS_PER_FETCH} per call")
         mine = Deletable(tenant.name, space.role == OWNER)
@@ -601,8 +560,8 @@ class PrefixStoreServicer(pb_grpc.PrefixStoreServicer):
         return pb.DeleteResponse(chunks=chunks, artifacts=artifacts, bytes=nbytes)
 
     @unary
-    def Stats(self, request, context):
-        tenant, _ = self._caller(context)
+    def Stats(self, request, call):
+        tenant, _ = self._caller(call)
         return pb.StatsResponse(**self.tenant_stats(tenant.name))
 
     def tenant_stats(self, tenant: str) -> dict:
@@ -725,9 +684,6 @@ def handlers(servicer: PrefixStoreServicer) -> grpc.GenericRpcHandler:
     """The service's method table, as the generated `add_PrefixStoreServicer_to_server`
     builds it, except that requests (and Fetch responses) stay serialised bytes: each
     handler authenticates before it parses (`unary`, `streaming`)."""
-
-    def serialize(message) -> bytes:
-        return message.SerializeToString()
 
     def method(kind, name: str, response=serialize):
         return kind(

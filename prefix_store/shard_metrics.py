@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from prefix_store.metrics import RpcMetrics, TenantLabels
+from prefix_store.metrics import TenantLabels
+from rpc.metrics import RpcMetrics
 
 PREFIX = "vericache_store"
 

@@ -1,18 +1,13 @@
-"""The one place where store errors become gRPC status codes (and back, for clients), and
-where a server handler's failure ends its call (`abort`)."""
+"""The store's status table: which gRPC status code each store error is (`CODES`), read
+forwards by servers (`rpc.status.STORE`) and backwards by clients (`error_of`), with the
+trailing metadata both ends know and the codes a client retries or fails over on."""
 
 from __future__ import annotations
-
-import logging
-import uuid
-from collections.abc import Callable
-from typing import NoReturn
 
 import grpc
 
 from prefix_store import errors
 
-log = logging.getLogger(__name__)
 REQUEST_ID = "x-request-id"
 """Trailing metadata of a call that failed INTERNAL: the id its server logged it under."""
 RETRY_AFTER = "retry-after-ms"
@@ -21,7 +16,7 @@ RETRY_AFTER = "retry-after-ms"
 carry it: an exceeded quota or a full store is not worth retrying."""
 BUSY_RETRY_MS = 100
 
-_CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
+CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
@@ -37,7 +32,7 @@ _CODES: dict[type[errors.StoreError], grpc.StatusCode] = {
 }
 
 _ERRORS: dict[grpc.StatusCode, type[errors.StoreError]] = {
-    code: cls for cls, code in _CODES.items() if cls not in (errors.StoreFull, errors.LimitExceeded)
+    code: cls for cls, code in CODES.items() if cls not in (errors.StoreFull, errors.LimitExceeded)
 }
 
 # Codes on which a client may try again (same shard after backoff, or a replica).
@@ -53,14 +48,6 @@ FAILOVER = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
-
-
-def code_of(error: BaseException) -> grpc.StatusCode:
-    """The status a server answers with; anything unexpected is INTERNAL, never UNKNOWN."""
-    for cls in type(error).__mro__:
-        if cls in _CODES:
-            return _CODES[cls]
-    return grpc.StatusCode.INTERNAL
 
 
 def busy_retry_s(error: BaseException) -> float | None:
@@ -83,25 +70,3 @@ def error_of(code: grpc.StatusCode, message: str) -> errors.StoreError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         cls = errors.Unavailable
     return cls(message)
-
-
-def abort(
-    context: grpc.ServicerContext,
-    error: BaseException,
-    where: str,
-    code_of: Callable[[BaseException], grpc.StatusCode] = code_of,
-    logger: logging.Logger = log,
-) -> NoReturn:
-    """End a failed call with `error`'s status (`code_of`). A typed error's message goes to
-    the caller as it is (it names the field at fault); anything unexpected is INTERNAL with
-    a message that carries only a fresh request id (no exception text, paths or secrets),
-    and is logged under that id, in `where`, with its traceback."""
-    code = code_of(error)
-    if isinstance(error, errors.LimitExceeded):
-        context.set_trailing_metadata(((RETRY_AFTER, str(BUSY_RETRY_MS)),))
-    if code != grpc.StatusCode.INTERNAL:
-        context.abort(code, str(error) or type(error).__name__)
-    request_id = uuid.uuid4().hex[:12]
-    logger.error("%s: internal error (request id %s)", where, request_id, exc_info=error)
-    context.set_trailing_metadata(((REQUEST_ID, request_id),))
-    context.abort(code, f"internal error (request id {request_id}); see the server log")

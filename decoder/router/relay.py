@@ -27,6 +27,7 @@ import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.router.members import Members
+from rpc.status import Relayed
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,8 @@ MOVE = frozenset(
 first token: a busy decoder)."""
 
 
-class Forwarded(Exception):
+class Forwarded(Relayed):
     """A decoder's final status for the call, to give the caller as it is."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing=()) -> None:
-        super().__init__(details)
-        self.code, self.details, self.trailing = code, details, tuple(trailing or ())
 
 
 class Diverged(Exception):

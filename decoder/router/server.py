@@ -15,7 +15,6 @@ so decoders see, authorize and account for the caller exactly as if it had calle
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import secrets
@@ -29,13 +28,15 @@ from decoder.router.config import RouterConfig
 from decoder.router.members import Members
 from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
-from decoder.service.server import decoder_service, peer
-from decoder.service.status import abort, code_of
-from prefix_store.auth import bearer_token
+from decoder.service.server import decoder_service
+from decoder.service.status import STATUS as DECODER_STATUS
 from prefix_store.limits import CallLimits
-from prefix_store.metrics import RpcMetrics, metrics_endpoint
+from prefix_store.metrics import metrics_endpoint
 from prefix_store.status import busy_retry_s
+from rpc.handler import Call, Gate, as_sent, streaming, unary
+from rpc.metrics import RpcMetrics
 from rpc.server import parse
+from rpc.status import StatusMap
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
@@ -47,60 +48,17 @@ SUMMED = ("kv_budget", "kv_used", "in_flight", "queued", "kv_cached", "cached_pr
 """Info fields the router reports as the sum over its live decoders."""
 
 
-def routed_code(error: BaseException) -> grpc.StatusCode:
-    if isinstance(error, Forwarded):
-        return error.code
-    if isinstance(error, Diverged):
-        return grpc.StatusCode.DATA_LOSS
-    return code_of(error)
+class RouterStatus(StatusMap):
+    """The decoders' statuses, a decoder's own failure relayed as it came (`Forwarded`),
+    and DATA_LOSS for a stream that diverged on failover (logged: it should never be)."""
+
+    def abort(self, context, error: BaseException, where: str):
+        if isinstance(error, Diverged):
+            log.error("router: %s", error)
+        super().abort(context, error, where)
 
 
-def _handler(stream: bool):
-    """Authenticate, take a call slot, then serve (the decoder's `unary`/`streaming`)."""
-
-    def wrap(method):
-        def fail(self, context, error):
-            if isinstance(error, Forwarded):
-                context.set_trailing_metadata(error.trailing)
-                context.abort(error.code, error.details)
-            if isinstance(error, Diverged):
-                log.error("router: %s", error)
-                context.abort(grpc.StatusCode.DATA_LOSS, str(error))
-            abort(context, error, f"Router.{method.__name__}")
-
-        if stream:
-
-            @functools.wraps(method)
-            def streaming(self, raw, context):
-                try:
-                    with self.rpc.call(method.__name__, routed_code):
-                        token = bearer_token(context.invocation_metadata())
-                        with (
-                            self.clients.held(token, peer(context)) as client,
-                            self.admit(client),
-                        ):
-                            yield from method(self, token, client, raw, context)
-                except Exception as error:  # noqa: BLE001 - every failure gets a precise status
-                    fail(self, context, error)
-
-            return streaming
-
-        @functools.wraps(method)
-        def unary(self, raw, context):
-            try:
-                with self.rpc.call(method.__name__, routed_code):
-                    token = bearer_token(context.invocation_metadata())
-                    with (
-                        self.clients.held(token, peer(context)) as client,
-                        self.admit(client),
-                    ):
-                        return method(self, token, client, raw, context)
-            except Exception as error:  # noqa: BLE001
-                fail(self, context, error)
-
-        return unary
-
-    return wrap
+STATUS = RouterStatus({Diverged: grpc.StatusCode.DATA_LOSS}, below=DECODER_STATUS, logger=log)
 
 
 class RouterServicer:
@@ -115,6 +73,7 @@ class RouterServicer:
         self._turn = itertools.count()
         self.registry = CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "router")
+        self.gate = Gate("Router", self.rpc, STATUS, self.clients.held, self.admit, as_sent)
         self.failovers = Counter(
             "vericache_router_failovers_total",
             "Requests moved to another decoder after theirs failed (mid-stream included).",
@@ -131,35 +90,35 @@ class RouterServicer:
         self.members.close()
         self.clients.close()
 
-    @_handler(stream=True)
-    def Generate(self, token, client, raw, context):
+    @streaming
+    def Generate(self, raw, call: Call):
         request = parse(dpb.GenerateRequest, raw)
         if request.sampling.temperature > 0 and not request.sampling.HasField("seed"):
             request.sampling.seed = secrets.randbits(64)  # every attempt samples alike
             raw = request.SerializeToString()
         relay = Relay(
             self.members,
-            self._order(self._identity(client, request)),
+            self._order(self._identity(call.caller, request)),
             raw,
-            _forwarded(context),
+            _forwarded(call),
             self.config.max_attempts,
             self.failovers.inc,
         )
         yield from relay.events()
 
-    @_handler(stream=False)
-    def Publish(self, token, client, raw, context):
+    @unary
+    def Publish(self, raw, call: Call):
         request = parse(dpb.PublishRequest, raw)
-        identity = self._identity(client, request)
-        return self._unary("Publish", identity, raw, context, dpb.PublishResponse)
+        identity = self._identity(call.caller, request)
+        return self._unary("Publish", identity, raw, call, dpb.PublishResponse)
 
-    @_handler(stream=False)
-    def Info(self, token, client, raw, context):
+    @unary
+    def Info(self, raw, call: Call):
         parse(dpb.InfoRequest, raw)
         total = dpb.InfoResponse(worker_id=self.config.router_id)
         for endpoint in self.members.loads():
             try:
-                info = self._call(endpoint, "Info", raw, context, dpb.InfoResponse)
+                info = self._call(endpoint, "Info", raw, call, dpb.InfoResponse)
             except grpc.RpcError:
                 continue  # a decoder going down: the others still answer
             total.model_id = total.model_id or info.model_id

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from prefix_store.metrics import RpcMetrics, TenantLabels
+from prefix_store.metrics import TenantLabels
+from rpc.metrics import RpcMetrics
 
 PREFIX = "vericache_decoder"
 RATE_WINDOW_S = 60.0

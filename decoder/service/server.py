@@ -14,69 +14,24 @@ under that id. Tokens sent before a failure were verified; nothing else is sent.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.service.config import DecoderConfig
-from decoder.service.status import abort, code_of
+from decoder.service.status import STATUS
 from decoder.service.worker import DecoderWorker
-from prefix_store.auth import bearer_token
 from prefix_store.client import StoreClient
 from prefix_store.limits import CallLimits
 from prefix_store.metrics import metrics_endpoint
-from rpc.server import grpc_server, parse, peer_host
+from rpc.handler import Call, Gate, serialize, streaming, unary
+from rpc.server import grpc_server, parse
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
-
-
-def peer(context) -> str:
-    """The caller's address (its unknown tokens are throttled per address)."""
-    return peer_host(context.peer())
-
-
-def unary(message_class):
-    """A handler with one response: authenticate, take one of the caller's call slots,
-    then parse the request, then serve."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        def handler(self, raw, context):
-            try:
-                with self.worker.metrics.rpc.call(method.__name__, code_of):
-                    token = bearer_token(context.invocation_metadata())
-                    caller = self.worker.authenticate(token, peer(context))
-                    with caller as client, self.admit(client):
-                        return method(self, token, parse(message_class, raw), context)
-            except Exception as error:  # noqa: BLE001 - every failure gets a precise status
-                abort(context, error, f"Decoder.{method.__name__}")
-
-        return handler
-
-    return wrap
-
-
-def streaming(message_class):
-    """A handler with a response stream: as `unary`, the slot held until the stream ends."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        def handler(self, raw, context):
-            try:
-                with self.worker.metrics.rpc.call(method.__name__, code_of):
-                    token = bearer_token(context.invocation_metadata())
-                    caller = self.worker.authenticate(token, peer(context))
-                    with caller as client, self.admit(client):
-                        yield from method(self, token, parse(message_class, raw), context)
-            except Exception as error:  # noqa: BLE001
-                abort(context, error, f"Decoder.{method.__name__}")
-
-        return handler
-
-    return wrap
+REQUESTS = {"Generate": dpb.GenerateRequest, "Publish": dpb.PublishRequest, "Info": dpb.InfoRequest}
+"""The request message of each method."""
 
 
 def event_message(event: tuple) -> dpb.GenerateEvent:
@@ -88,11 +43,15 @@ def event_message(event: tuple) -> dpb.GenerateEvent:
 
 
 class DecoderServicer:
-    """The Decoder's methods; each gets the caller's token and its parsed request."""
+    """The Decoder's methods; each gets its parsed request and the call (`rpc.handler`),
+    whose token was authenticated against the store before the request was parsed."""
 
     def __init__(self, worker: DecoderWorker) -> None:
         self.worker = worker
         self.limits = CallLimits(worker.config.calls)
+        self.gate = Gate(
+            "Decoder", worker.metrics.rpc, STATUS, worker.authenticate, self.admit, self.read
+        )
 
     def admit(self, client: StoreClient):
         """One of the caller's call slots (its tenant, weight and role, as the store named
@@ -100,28 +59,29 @@ class DecoderServicer:
         topology = client.topology
         return self.limits.admit(topology.tenant, topology.weight, topology.admin)
 
-    @streaming(dpb.GenerateRequest)
-    def Generate(self, token, request, context):
+    def read(self, method: str, raw: bytes, call: Call):
+        """`method`'s request, parsed once its caller is let in."""
+        return parse(REQUESTS[method], raw)
+
+    @streaming
+    def Generate(self, request, call: Call):
         spec = self.worker.parse_generate(request)
-        for event in self.worker.generate(token, spec, cancelled=lambda: not context.is_active()):
+        events = self.worker.generate(call.token, spec, cancelled=lambda: not call.is_active())
+        for event in events:
             yield event_message(event)
 
-    @unary(dpb.PublishRequest)
-    def Publish(self, token, request, context):
-        return self.worker.publish(token, request)
+    @unary
+    def Publish(self, request, call: Call):
+        return self.worker.publish(call.token, request)
 
-    @unary(dpb.InfoRequest)
-    def Info(self, token, request, context):
+    @unary
+    def Info(self, request, call: Call):
         return self.worker.info()
 
 
 def handlers(servicer: DecoderServicer) -> grpc.GenericRpcHandler:
     """The service's method table, as the generated `add_DecoderServicer_to_server` builds
     it, except that requests stay bytes: each handler authenticates before it parses."""
-
-    def serialize(message) -> bytes:
-        return message.SerializeToString()
-
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {

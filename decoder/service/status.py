@@ -1,10 +1,10 @@
-"""The one place where decoder-side errors become gRPC status codes, and where a Decoder
-handler's failure ends its call (`abort`)."""
+"""The decoder's errors as gRPC status codes (`STATUS`): its own table, over the store's
+(a decoder's call that fails with a store error fails with that error's code); the calls
+end through `rpc.status.StatusMap.abort`."""
 
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
 
 import grpc
 
@@ -17,39 +17,26 @@ from decoder.errors import (
     ShuttingDown,
     Unreachable,
 )
-from prefix_store import status as store_status
-from prefix_store.errors import StoreError
-
-log = logging.getLogger(__name__)
+from rpc.status import STORE, StatusMap
 
 
 class BadRequest(ValueError):
     """A Generate or Publish request that cannot be served as sent."""
 
 
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (CompressorSpecError, grpc.StatusCode.INVALID_ARGUMENT),
-    (OverBudget, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unreachable, grpc.StatusCode.UNAVAILABLE),
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (ArtifactFormatError, grpc.StatusCode.DATA_LOSS),
-    (ExactModeUnsupported, grpc.StatusCode.FAILED_PRECONDITION),
-    (Cancelled, grpc.StatusCode.CANCELLED),
+STATUS = StatusMap(
+    {
+        BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+        CompressorSpecError: grpc.StatusCode.INVALID_ARGUMENT,
+        OverBudget: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        Unreachable: grpc.StatusCode.UNAVAILABLE,
+        ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+        ArtifactFormatError: grpc.StatusCode.DATA_LOSS,
+        ExactModeUnsupported: grpc.StatusCode.FAILED_PRECONDITION,
+        Cancelled: grpc.StatusCode.CANCELLED,
+    },
+    below=STORE,
+    logger=logging.getLogger(__name__),
 )
-
-
-def code_of(error: BaseException) -> grpc.StatusCode:
-    """The status a Decoder RPC fails with; anything unexpected is INTERNAL."""
-    if isinstance(error, StoreError):
-        return store_status.code_of(error)
-    for cls, code in _CODES:
-        if isinstance(error, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def abort(context: grpc.ServicerContext, error: BaseException, where: str) -> NoReturn:
-    """End a failed Decoder call with `error`'s status; anything unexpected is INTERNAL with
-    only a request id, logged with its traceback under that id (`prefix_store.status.abort`)."""
-    store_status.abort(context, error, where, code_of=code_of, logger=log)
+"""A Decoder RPC's status for each failure; anything unexpected is INTERNAL."""
+code_of = STATUS.code_of
