@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from cluster import ray_auth
-from cluster.paths import make_private, private_umask, provenance_key_file
+from cluster.paths import internal_token_file, make_private, private_umask, provenance_key_file
 from cluster.roles import DECODER_RESOURCE, STORAGE_RESOURCE
 from prefix_store.errors import InvalidArgument
 
@@ -229,8 +229,9 @@ def provider_type(autoscaling_config: str | None) -> str | None:
 
 
 def provision_secrets(config: NodeConfig) -> None:
-    """The head makes the Ray token and the provenance key when absent (0600, in 0700
-    directories); every host then requires the token. `ray up` copies both to the workers."""
+    """The head makes the Ray token, the provenance key and the internal credential when
+    absent (0600, in 0700 directories); every host then requires the token. `ray up` copies
+    them to the workers."""
     token = ray_auth.token_file(config.ray_token_file)
     if not config.head:
         ray_auth.require_token(token)
@@ -238,11 +239,13 @@ def provision_secrets(config: NodeConfig) -> None:
             if directory.is_dir():
                 make_private(directory)  # made by `ray up`'s copy with the shell's umask
         return
+    from decoder.internal import load_or_create_credential
     from prefix_store.provenance import load_or_create_key
 
     with private_umask():
         ray_auth.provision_token(token)
         load_or_create_key(provenance_key_file())
+        load_or_create_credential(internal_token_file())
 
 
 def run_start(config: NodeConfig) -> int:

@@ -2,7 +2,7 @@
 
 Everything under `home()` is the service user's alone: directories 0700, files 0600
 (`private_umask`), since the state file holds the Redis password and the state directory
-holds the provenance key, the Ray token and tenants' blobs."""
+holds the provenance key, the internal credential, the Ray token and tenants' blobs."""
 
 from __future__ import annotations
 
@@ -25,13 +25,20 @@ def state_file() -> Path:
 
 
 def state_dir() -> Path:
-    """Redis data, shard disk tiers and the provenance key (per host)."""
+    """Redis data, shard disk tiers, the provenance key and the internal credential (per
+    host)."""
     return home() / "state"
 
 
 def provenance_key_file(directory: Path | None = None) -> Path:
     """The deployment's Ed25519 key (0600): decoders sign with it, shards hold its public half."""
     return Path(directory or state_dir()) / "provenance.key"
+
+
+def internal_token_file(directory: Path | None = None) -> Path:
+    """The deployment's internal credential (0600): routers present it to read decoders'
+    Info (`decoder.internal`)."""
+    return Path(directory or state_dir()) / "internal.token"
 
 
 def make_private(path: Path) -> Path:

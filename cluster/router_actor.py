@@ -28,8 +28,8 @@ class RouterActor:
     def start(self) -> str:
         return self.server.start()
 
-    def set_decoders(self, decoders: dict[str, str]) -> None:
-        """The deployment's decoders changed: endpoint -> metrics URL ("" for none)."""
+    def set_decoders(self, decoders: list[str]) -> None:
+        """The deployment's decoders changed: host:port each."""
         self.server.set_decoders(decoders)
 
     def decoders(self) -> list[dict]:

@@ -37,11 +37,19 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster import ray_auth
 from cluster.config_file import ConfigError
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
-from cluster.paths import home, make_private, private_umask, provenance_key_file, state_file
+from cluster.paths import (
+    home,
+    internal_token_file,
+    make_private,
+    private_umask,
+    provenance_key_file,
+    state_file,
+)
 from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.router_actor import router_actor
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
 from decoder.config import Placement
+from decoder.internal import load_or_create_credential
 from decoder.router.config import RouterConfig
 from decoder.service.config import DEFAULT_COMPRESSOR, MAX_NGRAM, DecoderConfig
 from prefix_store.config import ClientConfig, GiB, ShardConfig
@@ -221,8 +229,8 @@ class ServeConfig:
     def decoder(
         self, index: int, store_endpoints: list[str], metrics_token: str = ""
     ) -> DecoderConfig:
-        """Decoder `index`; it reads the deployment's private key from the state directory
-        on its own host (the key is never an actor argument)."""
+        """Decoder `index`; it reads the deployment's private key and internal credential
+        from the state directory on its own host (neither is an actor argument)."""
         return DecoderConfig(
             store_endpoints=tuple(store_endpoints),
             host=self.host,
@@ -235,6 +243,7 @@ class ServeConfig:
             placement=self.placement,
             threads=self.decoder_threads,
             provenance_key_file=provenance_key_file(Path(self.state_dir)),
+            internal_token_file=internal_token_file(Path(self.state_dir)),
             client=ClientConfig(tls=self.store_client_tls()),
             tls=self.tls,
             metrics=(
@@ -251,19 +260,20 @@ class ServeConfig:
         self,
         index: int,
         store_endpoints: list[str],
-        decoders: dict[str, str],
+        decoders: list[str],
         metrics_token: str = "",
     ) -> RouterConfig:
-        """Router `index` in front of `decoders` (endpoint -> metrics URL)."""
+        """Router `index` in front of `decoders` (host:port each); it reads the internal
+        credential from the state directory on its own host."""
         offset = self.shards + self.decoders + index
         return RouterConfig(
             store_endpoints=tuple(store_endpoints),
-            decoders=tuple(decoders.items()),
+            decoders=tuple(decoders),
             host=self.host,
             port=self.router_port + index if self.router_port else 0,
             router_id=f"router-{index}",
             policy=self.router_policy,
-            metrics_token=metrics_token,
+            internal_token_file=internal_token_file(Path(self.state_dir)),
             decoder_tls=self.store_client_tls(),
             client=ClientConfig(tls=self.store_client_tls()),
             tls=self.tls,
@@ -323,8 +333,10 @@ class Deployment:
             make_private(home())
             make_private(Path(config.state_dir))
             self.signer = load_or_create_key(provenance_key_file(Path(config.state_dir)))
+            load_or_create_credential(internal_token_file(Path(config.state_dir)))
         """The deployment's provenance key (docs/DESIGN.md section 8): decoders sign the KV
-        they publish with it, shards check signatures with its public half."""
+        they publish with it, shards check signatures with its public half. Beside it the
+        internal credential routers read decoders' Info with (`decoder.internal`)."""
         self.metrics_token = config.metrics_token or secrets.token_urlsafe(24)
         """What every metrics endpoint of the deployment requires (state file only)."""
         self.metrics: dict[str, str] = {}
@@ -482,11 +494,8 @@ class Deployment:
         self.decoders.pop(index, None)
         self.metrics.pop(f"decoder-{index}", None)
 
-    def _decoder_set(self) -> dict[str, str]:
-        return {
-            address: self.metrics.get(f"decoder-{index}", "")
-            for index, address in sorted(self.decoders.items())
-        }
+    def _decoder_set(self) -> list[str]:
+        return [address for _, address in sorted(self.decoders.items())]
 
     def _tell_routers(self) -> None:
         """Give every router the decoder set as it is now."""

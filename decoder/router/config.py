@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from decoder.router.policies import POLICIES
 from prefix_store.config import ClientConfig
 from prefix_store.limits import CallBounds
 from prefix_store.metrics import MetricsConfig
 from prefix_store.tls import TLSClientConfig, TLSConfig
-
-POLICIES = ("affinity", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,9 @@ class RouterConfig:
 
     store_endpoints: tuple[str, ...]
     """host:port of one or more shards: callers' tokens are checked against the store."""
-    decoders: tuple[tuple[str, str], ...] = ()
-    """(decoder host:port, its metrics URL or "") of the decoders at start; later changes
-    come through `RouterServer.set_decoders`."""
+    decoders: tuple[str, ...] = ()
+    """host:port of the decoders at start; later changes come through
+    `RouterServer.set_decoders`."""
     host: str = "127.0.0.1"
     port: int = 0
     """gRPC port (0 = any free port; the bound one is reported)."""
@@ -31,9 +31,9 @@ class RouterConfig:
     """The decoders' model folder (None: the built-in model): only its tokenizer is loaded,
     to route text prompts."""
     policy: str = "affinity"
-    """How a request's decoder is chosen: "affinity" (prefix affinity with bounded loads)
-    or "round-robin" (each request to the next live decoder: the baseline it is measured
-    against)."""
+    """How a request's decoder is chosen (`decoder.router.policies`): "affinity" (prefix
+    affinity with bounded loads) or "round-robin" (each request to the next live decoder:
+    the baseline it is measured against)."""
     affinity_chunks: int = 2
     """Full 256-token chunks of a prompt that make its routing identity."""
     load_factor: float = 1.25
@@ -42,15 +42,18 @@ class RouterConfig:
     max_attempts: int = 3
     """Decoders one request may be tried on (first attempt included)."""
     poll_s: float = 0.5
-    """How often decoders' health and load are read."""
+    """How often decoders' health and load (their Info) are read."""
     down_after: int = 2
     """Consecutive failed health checks after which a decoder is out (its streams move)."""
     silence_s: float = 60.0
     """A decoder that sent a request's first tokens and then nothing for this long is taken
     as hung: the stream moves to another decoder."""
-    metrics_token: str = field(default="", repr=False)
-    """Token of the decoders' metrics endpoints (their load reports); "": in-flight counts
-    of this router only."""
+    internal_token_file: Path | None = None
+    """The deployment's internal credential (0600, `decoder.internal`), read on the
+    router's own host at start: with it the router reads each decoder's load from its Info
+    (`vericache serve` names `<state dir>/internal.token`). None: no Info, so loads are
+    this router's own in-flight counts (a warning at start); a file named but missing or
+    readable by others stops the router from starting."""
     decoder_tls: TLSClientConfig | None = None
     """TLS to the decoders (None: in the clear)."""
     client: ClientConfig = field(default_factory=ClientConfig)
@@ -66,6 +69,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.store_endpoints:
             raise ValueError("store_endpoints: at least one host:port is required")
+        if any(not isinstance(d, str) for d in self.decoders):
+            raise ValueError("decoders: host:port strings")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.affinity_chunks < 1:

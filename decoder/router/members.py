@@ -3,11 +3,13 @@
 The set comes from whoever deploys the router (`set`: at start, and on every change: a
 decoder added, restarted on a new port, or removed); nothing else is kept, so a restarted
 router rebuilds it from the deployment. Every `poll_s` each decoder gets a gRPC health
-check and, when it lists a metrics endpoint, a scrape of its load (requests in flight and
-queued, KV budget use). A decoder that fails `down_after` checks in a row is out: the
-streams it serves are cancelled, so that they move to other decoders, and it gets no new
-request until a check succeeds again. A stream that has sent tokens and then nothing for
-`silence_s` is cancelled the same way (a hung decoder).
+check and an Info call presenting the deployment's internal credential
+(`decoder.internal`), which gives its load: requests in flight and queued, KV
+budget use. A router without the credential, or one a decoder refuses (logged once), counts
+only its own requests on that decoder. A decoder that fails `down_after` checks in a row is
+out: the streams it serves are cancelled, so that they move to other decoders, and it gets
+no new request until a check succeeds again. A stream that has sent tokens and then nothing
+for `silence_s` is cancelled the same way (a hung decoder).
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
+from vericache.v1 import decoder_pb2 as dpb
+from vericache.v1 import decoder_pb2_grpc
 
-from decoder.router.affinity import Load
+from decoder.internal import InternalCredential, read_credential
 from decoder.router.config import RouterConfig
-from prefix_store.metrics import scrape
+from decoder.router.policies import Load
 from prefix_store.tls import make_channel
 
 log = logging.getLogger(__name__)
@@ -56,12 +59,13 @@ class Watch:
 @dataclass(eq=False)
 class Member:
     endpoint: str
-    metrics_url: str
     channel: grpc.Channel
     healthy: bool = True
     failures: int = 0
     reported: Load = field(default_factory=Load)
-    """Its own report (every caller's requests)."""
+    """Its own report (every caller's requests), from its Info."""
+    refused: bool = False
+    """It refused the internal credential (its Info unread until it accepts it)."""
     in_flight: int = 0
     """Requests this router has on it now."""
     routed: int = 0
@@ -78,24 +82,22 @@ class Members:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        self.credential = internal_credential(config)
         self._members: dict[str, Member] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="router-poll", daemon=True)
-        self.set(dict(config.decoders))
+        self.set(config.decoders)
         self._thread.start()
 
-    def set(self, decoders: dict[str, str]) -> None:
-        """The decoders are now exactly `decoders` (endpoint -> metrics URL or "")."""
+    def set(self, decoders: Iterable[str]) -> None:
+        """The decoders are now exactly `decoders` (host:port each)."""
+        decoders = set(decoders)
         with self._lock:
             gone = [m for e, m in self._members.items() if e not in decoders]
-            for endpoint, url in decoders.items():
-                member = self._members.get(endpoint)
-                if member is None:
-                    channel = make_channel(endpoint, (), self.config.decoder_tls)
-                    self._members[endpoint] = Member(endpoint, url, channel)
-                else:
-                    member.metrics_url = url
+            for endpoint in decoders - self._members.keys():
+                channel = make_channel(endpoint, (), self.config.decoder_tls)
+                self._members[endpoint] = Member(endpoint, channel)
             for member in gone:
                 del self._members[member.endpoint]
         for member in gone:
@@ -202,23 +204,29 @@ class Members:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def _reported(self, member: Member) -> Load:
-        if not member.metrics_url or not self.config.metrics_token:
+        """The decoder's load from its Info; the last one read when it cannot be read now."""
+        if self.credential is None:
             return member.reported
+        stub = decoder_pb2_grpc.DecoderStub(member.channel)
         try:
-            text = scrape(
-                member.metrics_url, self.config.metrics_token, 1.0, self.config.decoder_tls
-            )
-        except (OSError, PermissionError):
+            info = stub.Info(dpb.InfoRequest(), metadata=self.credential.metadata(), timeout=1.0)
+        except grpc.RpcError as error:
+            self._refused(member, error.code())
             return member.reported
-        values = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values[sample.name] = sample.value
-        requests = int(values.get("vericache_decoder_in_flight", 0))
-        requests += int(values.get("vericache_decoder_queued", 0))
-        budget = values.get("vericache_decoder_kv_budget_bytes", 0)
-        used = values.get("vericache_decoder_kv_used_bytes", 0)
-        return Load(requests, used / budget if budget else 0.0)
+        member.refused = False
+        return load_of(info)
+
+    def _refused(self, member: Member, code: grpc.StatusCode) -> None:
+        if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return
+        if not member.refused:
+            log.warning(
+                "router: decoder %s refuses the deployment's internal credential (%s): its "
+                "load is this router's own count",
+                member.endpoint,
+                code.name,
+            )
+        member.refused = True
 
     def _out(self, member: Member, why: str) -> None:
         if member.healthy:
@@ -228,3 +236,21 @@ class Members:
             watches = list(member.watches)
         for watch in watches:
             watch.cut("decoder out")
+
+
+def load_of(info: dpb.InfoResponse) -> Load:
+    """A decoder's load as its Info reports it."""
+    budget_use = info.kv_used / info.kv_budget if info.kv_budget else 0.0
+    return Load(info.in_flight + info.queued, budget_use)
+
+
+def internal_credential(config: RouterConfig) -> InternalCredential | None:
+    """The router's internal credential, read from its file (FileNotFoundError or
+    PermissionError stop the router); None when it has none (then a warning)."""
+    if config.internal_token_file is not None:
+        return read_credential(config.internal_token_file)
+    log.warning(
+        "router %s: no internal credential; decoders' loads are its own in-flight counts",
+        config.router_id,
+    )
+    return None

@@ -5,9 +5,9 @@ does: an unknown token is UNAUTHENTICATED before any byte of the request is pars
 one of the caller's call slots, and forwards the call with the caller's own credentials,
 so decoders see, authorize and account for the caller exactly as if it had called them.
 
-- Generate goes to the decoder its prefix identity and the decoders' loads choose
-  (`affinity.choose`), and moves to another one if that decoder fails (`relay.Relay`). A
-  sampled request without a seed is given one here first.
+- Generate goes to the decoder the routing policy (`policies`) chooses from its prefix
+  identity (`identity`) and the decoders' loads, and moves to another one if that
+  decoder fails (`relay.Relay`). A sampled request without a seed is given one here first.
 - Publish goes to the decoder that requests over the published prefix will go to (so
   the compressed copy it builds is where they need it), on another one if it is down.
 - Info sums what the live decoders report (`worker_id` is the router's).
@@ -15,17 +15,18 @@ so decoders see, authorize and account for the caller exactly as if it had calle
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
+from collections.abc import Iterable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 from vericache.v1 import decoder_pb2 as dpb
 
-from decoder.router.affinity import choose, prefix_identity
 from decoder.router.config import RouterConfig
+from decoder.router.identity import request_identity
 from decoder.router.members import Members
+from decoder.router.policies import make_policy
 from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
 from decoder.service.server import decoder_service
@@ -40,9 +41,6 @@ from rpc.status import StatusMap
 
 log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
-TEXT_CHARS_PER_TOKEN = 16
-"""Text prompts are tokenized only as far as routing needs: this many characters per
-token of the identity's chunks (far more than any tokenizer's average)."""
 SUMMED = ("kv_budget", "kv_used", "in_flight", "queued", "kv_cached", "cached_prefixes",
           "engines", "weight_bytes", "peak_rss_bytes")  # fmt: skip
 """Info fields the router reports as the sum over its live decoders."""
@@ -70,7 +68,7 @@ class RouterServicer:
             config.store_endpoints, config.client, config.store_clients, config.auth_recheck_s
         )
         self.limits = CallLimits(config.calls)
-        self._turn = itertools.count()
+        self.policy = make_policy(config)
         self.registry = CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, "router")
         self.gate = Gate("Router", self.rpc, STATUS, self.clients.held, self.admit, as_sent)
@@ -128,32 +126,15 @@ class RouterServicer:
         return total
 
     def _order(self, identity: int):
-        """The request's decoders, best first, as `policy` ranks them (asked again before
+        """The request's decoders, best first, as the policy ranks them (asked again before
         each attempt: the live set and loads change)."""
-        if self.config.policy == "round-robin":
-            turn = next(self._turn)
-
-            def rotated() -> list[str]:
-                live = sorted(self.members.loads())
-                return live[turn % len(live) :] + live[: turn % len(live)] if live else []
-
-            return rotated
-        return lambda: choose(identity, self.members.loads(), self.config.load_factor)
+        ranking = self.policy.ranking(identity)
+        return lambda: ranking(self.members.loads())
 
     def _identity(self, client, request) -> int:
-        """The request's prefix identity, in the namespace it names (an unknown namespace
-        gets a salt no namespace has: its decoder reports it as NOT_FOUND)."""
-        salt = client.topology.salts.get(request.namespace, b"?" + request.namespace.encode())
-        which = request.WhichOneof("prompt")
-        if which == "token_ids":
-            tokens = list(request.token_ids.ids[: self.config.affinity_chunks * 256])
-        elif which == "text":
-            chars = self.config.affinity_chunks * 256 * TEXT_CHARS_PER_TOKEN
-            tokens = list(self.tokenizer.encode(request.text[:chars], add_special_tokens=False))
-            salt += b"chat" if request.chat else b"text"
-        else:
-            tokens = []
-        return prefix_identity(tokens, salt, self.config.affinity_chunks)
+        """The request's prefix identity, in the namespace it names."""
+        salts = client.topology.salts
+        return request_identity(request, salts, self.tokenizer, self.config.affinity_chunks)
 
     def _unary(self, method: str, identity: int, raw: bytes, context, response):
         """A unary call on the request's decoder, or the next one when it is unreachable or
@@ -184,7 +165,7 @@ class RouterServicer:
         with self.members.holding(endpoint):
             return call(raw, metadata=_forwarded(context), timeout=context.time_remaining())
 
-    def set_decoders(self, decoders: dict[str, str]) -> None:
+    def set_decoders(self, decoders: Iterable[str]) -> None:
         self.members.set(decoders)
 
 
@@ -215,8 +196,8 @@ class RouterServer:
         log.info("router %s serving on %s", self.config.router_id, self.address)
         return self.address
 
-    def set_decoders(self, decoders: dict[str, str]) -> None:
-        """The live decoder set is now `decoders` (endpoint -> metrics URL or "")."""
+    def set_decoders(self, decoders: Iterable[str]) -> None:
+        """The live decoder set is now `decoders` (host:port each)."""
         self.servicer.set_decoders(decoders)
 
     def decoders(self) -> list[dict]:

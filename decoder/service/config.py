@@ -86,6 +86,11 @@ class DecoderConfig:
     """The file holding the deployment's private provenance key (0600), read on the
     worker's own host when it starts (`vericache serve` names `<state dir>/provenance.key`,
     which `ray up` copies to every host); overrides `provenance_key`."""
+    internal_token_file: Path | None = None
+    """The deployment's internal credential (0600, `decoder.internal`), read on the
+    worker's own host when it starts: routers present it to read Info, the only method it
+    may call (`vericache serve` names `<state dir>/internal.token`). None: Info for tenants
+    only."""
     metrics: MetricsConfig | None = None
     """Serve Prometheus metrics on their own port (`decoder.service.metrics`); None: none."""
     audit_rate: float = 0.0

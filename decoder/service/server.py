@@ -4,6 +4,8 @@
 Every method takes its request as raw bytes and first authenticates the caller's token
 against the store (`DecoderWorker.authenticate`): a caller without a known token gets
 UNAUTHENTICATED whatever it sends, before any byte of its request is parsed or tokenized.
+The deployment's internal credential (`decoder.internal`: what routers present) is
+accepted for Info alone, never sent to the store: any other method is PERMISSION_DENIED.
 Every failure ends the call with a precise status (`decoder.service.status`): a bad
 request is INVALID_ARGUMENT, an unknown token UNAUTHENTICATED, a request larger than the
 whole KV budget RESOURCE_EXHAUSTED, a prefix whose full KV can be neither read nor
@@ -15,10 +17,18 @@ under that id. Tokens sent before a failure were verified; nothing else is sent.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
+from decoder.internal import (
+    CALLER,
+    INTERNAL,
+    InternalCaller,
+    check_method,
+    read_credential,
+)
 from decoder.service.config import DecoderConfig
 from decoder.service.status import STATUS
 from decoder.service.worker import DecoderWorker
@@ -50,17 +60,32 @@ class DecoderServicer:
         self.worker = worker
         self.limits = CallLimits(worker.config.calls)
         self.gate = Gate(
-            "Decoder", worker.metrics.rpc, STATUS, worker.authenticate, self.admit, self.read
+            "Decoder", worker.metrics.rpc, STATUS, self.authenticate, self.admit, self.read
         )
+        path = worker.config.internal_token_file
+        self.internal = read_credential(path) if path is not None else None
+        """The deployment's internal credential (a router reading Info), if configured."""
 
-    def admit(self, client: StoreClient):
+    def authenticate(self, token: str, peer: str) -> AbstractContextManager:
+        """The caller, held while its call runs: `INTERNAL` for the deployment's internal
+        credential (never sent to the store), else the tenant's store client (the store's
+        Unauthenticated for a token it does not know)."""
+        if self.internal is not None and self.internal.matches(token):
+            return nullcontext(INTERNAL)
+        return self.worker.authenticate(token, peer)
+
+    def admit(self, client: StoreClient | InternalCaller):
         """One of the caller's call slots (its tenant, weight and role, as the store named
-        them): its fair share, or the admin pool."""
+        them): its fair share, or the admin pool; the internal caller's, the admin pool
+        first."""
+        if client is INTERNAL:
+            return self.limits.admit(CALLER, admin=True)
         topology = client.topology
         return self.limits.admit(topology.tenant, topology.weight, topology.admin)
 
     def read(self, method: str, raw: bytes, call: Call):
         """`method`'s request, parsed once its caller is let in."""
+        check_method(call.caller, method)
         return parse(REQUESTS[method], raw)
 
     @streaming

@@ -12,6 +12,7 @@ import pytest
 from cluster.certs import CertsRequest, make_certs
 from cluster.cli import main
 from cluster.serve import ServeConfig
+from decoder.internal import load_or_create_credential
 from decoder.service.client import DecoderClient
 from decoder.service.server import DecoderServer
 from decoder.service.worker import DecoderWorker
@@ -42,6 +43,7 @@ def decoder(serve_config, metadata, redis_server, tmp_path, builtin_model):
     store.start(tls=serve_config.shard(0).tls)
     config = serve_config.decoder(0, store.endpoints)
     load_or_create_key(config.provenance_key_file)  # what `serve` makes in its state dir
+    load_or_create_credential(config.internal_token_file)
     server = DecoderServer(config, DecoderWorker(config, model=builtin_model))
     server.start()
     yield server

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from decoder.router.affinity import CHUNK_TOKENS, Load, choose, prefix_identity, rendezvous
+from decoder.router.identity import CHUNK_TOKENS, prefix_identity
+from decoder.router.policies import Load
+from decoder.router.policies.affinity import choose, rendezvous
 
 DECODERS = ["10.0.0.1:7200", "10.0.0.2:7200", "10.0.0.3:7200"]
 

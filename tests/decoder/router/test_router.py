@@ -12,7 +12,8 @@ import pytest
 
 from decoder.generate import generate_full
 from decoder.router import RouterConfig, RouterServer
-from decoder.router.affinity import prefix_identity, rendezvous
+from decoder.router.identity import prefix_identity
+from decoder.router.policies.affinity import rendezvous
 from decoder.router.server import load_tokenizer
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient, GenerateReply
@@ -43,7 +44,7 @@ def decoders(store, builtin_model):
 def start_router(store, decoders, **overrides):
     config = RouterConfig(
         tuple(store.endpoints),
-        decoders=tuple((d.address, "") for d in decoders),
+        decoders=tuple(d.address for d in decoders),
         client=ClientConfig(timeout_s=10, retries=2, backoff_s=0.05),
         poll_s=0.2,
         **overrides,
@@ -143,7 +144,7 @@ def test_a_burst_spills_and_a_new_decoder_gets_new_prefixes(
     doc = documents(builtin_model, 1)[0]
     with DecoderClient(router.address, token) as client:
         assert client.generate(token_ids=doc, max_new_tokens=2).stats["worker"] == "decoder-0"
-    router.set_decoders({d.address: "" for d in decoders})  # decoder-1 joins
+    router.set_decoders([d.address for d in decoders])  # decoder-1 joins
     salt = client_salt(store, token)
     docs = [
         d for d in documents(builtin_model, 8) if owner(d, salt, decoders) == decoders[1].address

@@ -64,7 +64,7 @@ def test_decoders_over_budget_make_the_router_say_so_not_unavailable(
 def start_router(store, decoders) -> RouterServer:
     config = RouterConfig(
         tuple(store.endpoints),
-        decoders=tuple((d.address, "") for d in decoders),
+        decoders=tuple(d.address for d in decoders),
         client=ClientConfig(timeout_s=10, retries=2, backoff_s=0.05),
         poll_s=0.2,
     )
