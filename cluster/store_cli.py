@@ -484,7 +484,7 @@ def _size(n: int) -> str:
 
 
 FAULTS = ("corrupt", "lost_spills", "disk_write_errors", "disk_rejected")
-"""A shard's fault counters (`PrefixStoreServicer.shard_stats`)."""
+"""A shard's fault counters (`prefix_store.server.Service.shard_stats`)."""
 
 
 def run_status(ns) -> int:

@@ -15,8 +15,9 @@ from prefix_store.config import MiB
 
 
 @contextlib.contextmanager
-def deployed(redis_url: str, home: Path, **overrides):
-    """A running deployment whose state file lives under `home` (VERICACHE_HOME)."""
+def deployed(redis_url: str | None, home: Path, **overrides):
+    """A running deployment whose state file lives under `home` (VERICACHE_HOME); with
+    `redis_url` None, it starts its own Redis there."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VERICACHE_HOME", str(home))
     config = ServeConfig(redis_url=redis_url, state_dir=home / "state", **overrides)
@@ -27,20 +28,47 @@ def deployed(redis_url: str, home: Path, **overrides):
         mp.undo()
 
 
-@pytest.fixture(scope="module")
-def service(redis_server, tmp_path_factory, request):
-    """A module's deployment: two shards (512 MiB memory each, no disk) and one decoder. A
-    module sets `SERVICE = {...}` for other ServeConfig fields."""
+def _shares_service(item: pytest.Item) -> bool:
+    """Whether `item` uses this package's `service` (not a module's own of that name)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    defs = defs.name2fixturedefs.get("service") if defs else None
+    return bool(defs) and defs[-1].func is service.__wrapped__
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `kills_parts` run right after the last other test sharing `service` (still
+    within this package, so that the deployment is started once): they kill parts of it."""
+    killers = [item for item in items if item.get_closest_marker("kills_parts")]
+    rest = [item for item in items if not item.get_closest_marker("kills_parts")]
+    sharing = [i for i, item in enumerate(rest) if _shares_service(item)]
+    if killers and sharing:
+        items[:] = rest[: sharing[-1] + 1] + killers + rest[sharing[-1] + 1 :]
+
+
+@pytest.fixture(scope="package")
+def service(tmp_path_factory):
+    """The one decoding deployment of tests/cluster, started once and shared by every module
+    that only uses it (test_remote_decoding, test_request_isolation): two shards (512 MiB
+    memory each, no disk), one decoder, and prefixes never resident, so that every
+    verification pulls from the shards (what these tests exercise: pulls, failover,
+    recompute; resident prefixes are tested in tests/decoder: test_engine, test_store_source).
+
+    Sharing contract: each test adds its own tenants (names prefixed by its module) and works
+    in their namespaces; a test that kills a part of it restarts that part before it ends,
+    pass or fail, and is marked `kills_parts` to run after the others. It runs its own Redis
+    (`redis_url=None`), which the session's `metadata` fixture, emptied for each test, never
+    touches. Deployments of another shape stay in their modules: test_serve (a disk tier, no
+    decoder), test_router (two decoders, one killed), test_lmcache_serve (a gateway), and
+    tests/bench (their own shapes)."""
     home = tmp_path_factory.mktemp("vericache-home")
-    overrides = getattr(request.module, "SERVICE", {})
     with deployed(
-        redis_server.url,
+        None,
         home,
         shards=2,
         memory_bytes=512 * MiB,
         disk_bytes=0,
         decoders=1,
-        **overrides,
+        resident_prefixes=False,
     ) as deployment:
         yield deployment
 

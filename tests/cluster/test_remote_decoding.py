@@ -8,7 +8,6 @@ import inspect
 import json
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -19,13 +18,11 @@ from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
 NEW = 24
-SERVICE = {"resident_prefixes": False}
-"""Every verification pulls from the shards (what these tests exercise: pulls, failover,
-recompute); resident prefixes are tested in tests/decoder (test_engine, test_store_source)."""
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 77}
 
 
@@ -214,9 +211,7 @@ def test_a_caller_that_goes_away_frees_the_decoder(service, tenants, document, b
         stream = client.stream(token_ids=builtin_model.encode(document) + [13], max_new_tokens=400)
         next(stream)
         stream.close()  # cancels the call
-        deadline = time.monotonic() + 60
-        while client.info().in_flight and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert eventually(lambda: not client.info().in_flight, timeout_s=60, every_s=0.2)
         info = client.info()
         assert info.in_flight == 0 and info.queued == 0
         assert info.kv_used == info.kv_cached  # only the idle cached prefix is left
@@ -284,31 +279,41 @@ def test_cli_publish_and_generate_endpoint(
     assert "--token is required" in capsys.readouterr().err
 
 
+@pytest.mark.kills_parts
 def test_shard_lost_mid_request_replica_then_recompute(
-    service, tenants, document, builtin_model, builtin_runner
+    service, document, builtin_model, builtin_runner
 ):
+    """Run after the other tests sharing `service` (`kills_parts`), so with a tenant of its
+    own: this module's fixtures are set up again by then."""
+    from prefix_store.metadata import Metadata
+
+    token = Metadata(service.redis_url).add_tenant("remote-shard-lost", 0)
     doc_ids = builtin_model.encode(document)
     prompt = doc_ids + builtin_model.encode("\n# Rewrite fill() in one line:\n")[1:]
     want = generate_full(
         builtin_runner, [prompt], max_new_tokens=64, eos_token_ids=builtin_model.eos_token_ids
     )[0].tokens
-    with decoder(service, tenants["b"]) as client:
-        client.publish(token_ids=doc_ids, compressors=["snapkv:budget=0.125"])
-        for kill in ([0], [1]):  # first a replica remains; then none does (recompute)
-            reply_tokens: list[int] = []
-            stream = client.stream(
-                token_ids=prompt, max_new_tokens=64, horizon=2, reply=(reply := _Reply())
-            )
-            for piece in stream:
-                reply_tokens.extend(piece.tokens)
-                if len(reply_tokens) >= 4 and kill:
-                    for index in kill:
-                        service.kill_shard(index)
-                    kill = []
-            assert reply.tokens == want[: len(reply.tokens)] and reply.tokens == want
-        assert reply.stats["recomputed"] is True
-    service.start_shard(0)
-    service.start_shard(1)
+    killed: list[int] = []
+    try:
+        with decoder(service, token) as client:
+            client.publish(token_ids=doc_ids, compressors=["snapkv:budget=0.125"])
+            for kill in ([0], [1]):  # first a replica remains; then none does (recompute)
+                reply_tokens: list[int] = []
+                stream = client.stream(
+                    token_ids=prompt, max_new_tokens=64, horizon=2, reply=(reply := _Reply())
+                )
+                for piece in stream:
+                    reply_tokens.extend(piece.tokens)
+                    if len(reply_tokens) >= 4 and kill:
+                        for index in kill:
+                            service.kill_shard(index)
+                            killed.append(index)
+                        kill = []
+                assert reply.tokens == want[: len(reply.tokens)] and reply.tokens == want
+            assert reply.stats["recomputed"] is True
+    finally:  # the deployment is shared (tests/cluster/conftest.py `service`)
+        for index in killed:
+            service.start_shard(index)
 
 
 def _Reply():

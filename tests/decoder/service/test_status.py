@@ -7,6 +7,7 @@ INTERNAL with only a request id, logged with its traceback under that id."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import re
@@ -18,25 +19,59 @@ from safetensors.torch import save
 from vericache.v1 import decoder_pb2 as dpb
 from vericache.v1 import decoder_pb2_grpc as dpb_grpc
 
+from cluster.redis_server import RedisServer
 from decoder.compressors import parse_compressor
 from decoder.compressors.artifact import FORMAT, from_bytes, validate
 from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
 from decoder.store_source import kv_layout
 from prefix_store.errors import StoreError, Unavailable
+from prefix_store.metadata import Metadata
 from prefix_store.status import REQUEST_ID
 from tests.decoder.service.conftest import serve
+from tests.prefix_store.conftest import Store
 
 NEW = 8
 SNAPKV_200 = "snapkv:window=200"  # wider than the 128 queries a local prefill observes
 INTERNAL = r"internal error \(request id ([0-9a-f]{12})\); see the server log"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory):
+    """This module's own Redis: its shard and decoder outlive a test, and the session's Redis
+    is emptied for each test (`metadata`), their registrations and usage with it."""
+    redis = RedisServer(tmp_path_factory.mktemp("status-redis")).start()
+    yield redis
+    redis.stop()
+
+
+@pytest.fixture(scope="module")
+def store(plane, tmp_path_factory):
+    """One shard on loopback over the module's Redis."""
+    store = Store(plane.url, tmp_path_factory.mktemp("status-store"))
+    store.start()
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
 def decoder(store, builtin_model):
+    """The module's decoder, shared: its tests only call it, each as tenants of its own (the
+    test that stops a decoder starts its own)."""
     server = serve(store.endpoints, builtin_model)
     yield server
     server.stop(0)
+
+
+@pytest.fixture
+def tenant(plane):
+    """`tenant(name)`: the token of a new tenant, named after `name` and unique in the module's
+    Redis (the module's tests share it)."""
+    metadata = Metadata(plane.url)
+    return lambda name: metadata.add_tenant(f"{name}-{next(_TENANTS)}")
+
+
+_TENANTS = itertools.count()
 
 
 def document(model, tokens: int) -> list[int]:
@@ -50,21 +85,21 @@ def reference(runner, model, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("tokens", [300, 40], ids=["window-inside-prompt", "prompt-shorter"])
 def test_a_wide_window_on_an_uncached_prompt_decodes_exactly(
-    tokens, decoder, metadata, builtin_model, builtin_runner
+    tokens, decoder, tenant, builtin_model, builtin_runner
 ):
     prompt = document(builtin_model, tokens)
-    with DecoderClient(decoder.address, metadata.add_tenant("window")) as client:
+    with DecoderClient(decoder.address, tenant("window")) as client:
         reply = client.generate(token_ids=prompt, max_new_tokens=NEW, compressor=SNAPKV_200)
     assert reply.stats["cached_tokens"] == 0
     assert reply.tokens == reference(builtin_runner, builtin_model, prompt)
 
 
 def test_a_wide_window_over_a_cached_prefix_decodes_exactly(
-    decoder, metadata, builtin_model, builtin_runner
+    decoder, tenant, builtin_model, builtin_runner
 ):
     doc = document(builtin_model, 300)
     prompt = doc + builtin_model.encode("\n# What does dedent do?\n")[1:]
-    with DecoderClient(decoder.address, metadata.add_tenant("cached")) as client:
+    with DecoderClient(decoder.address, tenant("cached")) as client:
         client.publish(token_ids=doc, compressors=[])
         reply = client.generate(token_ids=prompt, max_new_tokens=NEW, compressor=SNAPKV_200)
     assert reply.stats["cached_tokens"] == len(doc)
@@ -83,11 +118,11 @@ def test_a_wide_window_over_a_cached_prefix_decodes_exactly(
     ids=["zero-length-header", "no-metadata", "no-header", "header-nested-too-deep", "text"],
 )
 def test_a_stored_artifact_that_is_not_one_is_rebuilt(
-    garbage, store, decoder, metadata, builtin_model, builtin_runner
+    garbage, store, decoder, tenant, builtin_model, builtin_runner
 ):
     """Signed with the deployment's key (what a faulty decoder would store), so it is
     fetched and read: refused as ArtifactFormatError, rebuilt and stored in its place."""
-    token = metadata.add_tenant("artifact")
+    token = tenant("artifact")
     doc = document(builtin_model, 200)
     prompt = doc + builtin_model.encode("\n# Summarise.\n")[1:]
     spec = parse_compressor("snapkv:budget=0.25").spec
@@ -105,18 +140,22 @@ def test_a_stored_artifact_that_is_not_one_is_rebuilt(
     validate(from_bytes(stored), layout, len(doc), spec)
 
 
-def test_a_decoder_shutting_down_answers_unavailable(decoder, metadata, builtin_model):
-    token = metadata.add_tenant("late")
+def test_a_decoder_shutting_down_answers_unavailable(store, tenant, builtin_model):
+    decoder = serve(store.endpoints, builtin_model)  # its own: this test stops it
+    token = tenant("late")
     doc = document(builtin_model, 40)
-    with DecoderClient(decoder.address, token) as client:
-        client.publish(token_ids=doc, compressors=[])
-        decoder.worker.scheduler.stop()  # the worker stops before its server does
-        with pytest.raises(Unavailable, match="shutting down"):  # a local prefill
-            client.generate(token_ids=document(builtin_model, 30), max_new_tokens=NEW)
-        with pytest.raises(Unavailable, match="shutting down"):  # an engine submission
-            client.generate(token_ids=doc + [13], max_new_tokens=NEW, mode="full")
-        with pytest.raises(Unavailable, match="shutting down"):
-            client.publish(token_ids=doc[:20])
+    try:
+        with DecoderClient(decoder.address, token) as client:
+            client.publish(token_ids=doc, compressors=[])
+            decoder.worker.model_thread.stop()  # the worker stops before its server does
+            with pytest.raises(Unavailable, match="shutting down"):  # a local prefill
+                client.generate(token_ids=document(builtin_model, 30), max_new_tokens=NEW)
+            with pytest.raises(Unavailable, match="shutting down"):  # an engine submission
+                client.generate(token_ids=doc + [13], max_new_tokens=NEW, mode="full")
+            with pytest.raises(Unavailable, match="shutting down"):
+                client.publish(token_ids=doc[:20])
+    finally:
+        decoder.stop(0)
 
 
 def _secret(*args, **kwargs):
@@ -125,12 +164,12 @@ def _secret(*args, **kwargs):
 
 @pytest.mark.parametrize("method", ["Info", "Generate"])
 def test_an_unexpected_failure_is_internal_with_only_a_request_id(
-    method, decoder, metadata, monkeypatch, caplog
+    method, decoder, tenant, monkeypatch, caplog
 ):
     """The caller learns a request id and nothing else; the log has the id and the
     traceback (exception text included)."""
     monkeypatch.setattr(decoder.worker, method.lower(), _secret)
-    token = metadata.add_tenant("unlucky")
+    token = tenant("unlucky")
     caplog.set_level(logging.ERROR)
     with DecoderClient(decoder.address, token) as client, pytest.raises(StoreError) as failed:
         client.info() if method == "Info" else client.generate(text="def f():", max_new_tokens=2)
@@ -145,10 +184,10 @@ def test_an_unexpected_failure_is_internal_with_only_a_request_id(
 
 
 def test_an_internal_failure_names_its_request_id_in_trailing_metadata(
-    decoder, metadata, monkeypatch
+    decoder, tenant, monkeypatch
 ):
     monkeypatch.setattr(decoder.worker, "info", _secret)
-    auth = (("authorization", f"Bearer {metadata.add_tenant('traced')}"),)
+    auth = (("authorization", f"Bearer {tenant('traced')}"),)
     with grpc.insecure_channel(decoder.address) as channel, pytest.raises(grpc.RpcError) as failed:
         dpb_grpc.DecoderStub(channel).Info(dpb.InfoRequest(), metadata=auth, timeout=20)
     error = failed.value
@@ -168,13 +207,13 @@ def test_an_internal_failure_names_its_request_id_in_trailing_metadata(
     ],
 )
 def test_sampling_out_of_range_is_invalid_argument_naming_the_field(
-    decoder, metadata, sampling, named
+    decoder, tenant, sampling, named
 ):
     """Not quietly treated as off: the caller asked for something this decoder won't do."""
     request = dpb.GenerateRequest(
         token_ids=dpb.TokenIds(ids=[5, 6, 7]), max_new_tokens=2, sampling=dpb.Sampling(**sampling)
     )
-    token = metadata.add_tenant("sampler")
+    token = tenant("sampler")
     with grpc.insecure_channel(decoder.address) as channel:
         call = channel.unary_stream(
             f"/{dpb.DESCRIPTOR.services_by_name['Decoder'].full_name}/Generate",
@@ -189,12 +228,12 @@ def test_sampling_out_of_range_is_invalid_argument_naming_the_field(
 
 @pytest.mark.parametrize("mode", ["vericache", "full"])
 def test_a_prefix_deleted_between_lookup_and_reads_is_recomputed_exactly(
-    mode, decoder, store, metadata, builtin_model, builtin_runner
+    mode, decoder, store, tenant, builtin_model, builtin_runner
 ):
     """The seam: the caller's store client answers the lookup, then the prefix's chunks are
     deleted before any read (an eviction race). The request is served, token for token as
     full-KV decoding, never NOT_FOUND."""
-    token = metadata.add_tenant("racer")
+    token = tenant("racer")
     prompt = document(builtin_model, 120)
     with DecoderClient(decoder.address, token) as client:
         client.publish(token_ids=prompt[:-1], compressors=[])

@@ -7,8 +7,9 @@ the kernel the decoder folds them with), so the chunks' KV never leaves the shar
 `AttendSession` is one stream: its chunks are leased from the header until it closes, each
 query reads the layer's segments (memory or disk tier, checked against their stored
 CRC-32C: a corrupt one is `DataLoss`; layers held in memory once per stream, layers on disk
-at every read) and views them as tensors without copying. Nothing
-here knows about gRPC or tenants: the server checks the caller and passes a namespace.
+at every read) and views them as tensors without copying. Sessions know nothing about
+gRPC or tenants: the `Attend` method (`AttendMethod`) checks the caller and passes a
+namespace.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ from prefix_store import faults
 from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument, KernelMismatch
 from prefix_store.layout import KVLayout
+from prefix_store.limits import TenantSlots
 from prefix_store.namespace import Namespace
 from prefix_store.protocol.attend import FLOAT32, MAX_CHUNKS, MAX_QUERY_HEADS, MAX_ROWS
+from prefix_store.server.requests import layout_of
 from prefix_store.shard import ChunkRef, FetchStream, Shard
+from rpc.handler import streaming
+from rpc.server import client_stream
 
 
 def kernel_fingerprint(enabled: bool = True) -> str:
@@ -229,3 +234,53 @@ def open_session(
     check_kernel(header.kernel, kernel)
     stream = shard.open_fetch(namespace, layout, refs, 0, layout.num_layers)
     return AttendSession(stream, layout, header.heads, max_response_bytes)
+
+
+class AttendMethod:
+    """The Attend method: a stream per session, at most `max_attend_streams_per_tenant` of
+    a tenant's at once."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self.gate = service.gate
+        self.slots = TenantSlots(service.config.max_attend_streams_per_tenant, "Attend streams")
+
+    @streaming
+    def Attend(self, requests, call):
+        """Near-data attention (see `prefix_store.attend`): the header leases its chunks,
+        then each query is answered with the partials over them, in order."""
+        with self.slots.admit(call.caller.name):
+            messages = client_stream(requests)
+            session = self._begin_attend(next(messages, None), call)
+            self.service.attend_stats.opened()
+            try:
+                for message in messages:
+                    yield self._answer(session, message)
+            finally:
+                session.close()
+
+    def _begin_attend(self, first, call) -> AttendSession:
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("attend: the first message must be the header")
+        header = first.header
+        _, space = self.service.caller(call, header.namespace)
+        return open_session(
+            self.service.shard,
+            space,
+            layout_of(header),
+            header,
+            self.service.kernel,
+            self.service.config.max_message_bytes,
+        )
+
+    def _answer(self, session: AttendSession, message) -> pb.AttendResponse:
+        if message.WhichOneof("kind") != "query":
+            raise InvalidArgument("attend: after the header, only queries may come")
+        response = session.answer(message.query)
+        self.service.attend_stats.answered(
+            message.query.rows,
+            len(message.query.q),
+            len(response.m) + len(response.l) + len(response.acc),
+            response.compute_s,
+        )
+        return response
