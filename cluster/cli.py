@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from cluster import decoder_cli, node_cli, store_cli, tls_cli
+from cluster.cli_common import UsageError, parse_compressor, read_prompt_file, stats_line
 from cluster.config_file import ConfigError
 from cluster.paths import PRIVATE_UMASK
 from cluster.secret_flags import add_secret, resolve_secrets
-from decoder.errors import CompressorSpecError, ExactModeUnsupported, ModelLoadError
+from decoder.errors import ExactModeUnsupported, ModelLoadError
 from prefix_store.errors import InvalidArgument, NotFound, StoreError, Unauthenticated
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ GENERATE_MODES = ("full", "lossy", "vericache")
 `lossy` decodes with the compressed KV alone, `vericache` drafts with it and verifies."""
 
 DEFAULT_COMPRESSOR = "snapkv:budget=0.125"
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported in one line with exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
-    prompt = ns.prompt if ns.prompt_file is None else _read_prompt_file(ns.prompt_file)
+    prompt = ns.prompt if ns.prompt_file is None else read_prompt_file(ns.prompt_file)
     if not prompt:
         raise UsageError("the prompt is empty")
     if ns.max_new_tokens < 1:
@@ -173,7 +170,7 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
         raise UsageError(f"--ngram must be in [0, 32], got {ns.ngram}")
     if ns.ngram and ns.runner == "fast":
         raise UsageError("--ngram needs the exact runner (guesses are checked exactly)")
-    compressor = _parse_compressor(ns.compressor) if ns.mode != "full" else ns.compressor
+    compressor = parse_compressor(ns.compressor) if ns.mode != "full" else ns.compressor
     return GenerateArgs(
         prompt=prompt,
         max_new_tokens=ns.max_new_tokens,
@@ -197,15 +194,6 @@ def parse_generate(ns: argparse.Namespace) -> GenerateArgs:
     )
 
 
-def _parse_compressor(spec: str) -> str:
-    from decoder.compressors import parse_compressor
-
-    try:
-        return parse_compressor(spec).spec
-    except CompressorSpecError as e:
-        raise UsageError(f"--compressor: {e}") from None
-
-
 def _parse_horizon(text: str) -> int | None:
     if text == "auto":
         return None
@@ -227,19 +215,6 @@ def _check_sampling(ns: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {ns.top_p}")
     if ns.seed is not None and not 0 <= ns.seed < 2**64:
         raise UsageError(f"--seed must be in [0, 2**64), got {ns.seed}")
-
-
-def _read_prompt_file(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"--prompt-file {path}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"--prompt-file {path}: is a directory") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"--prompt-file {path}: not UTF-8 text") from None
-    except OSError as e:
-        raise UsageError(f"--prompt-file {path}: {e.strerror}") from None
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -287,7 +262,7 @@ def run_generate(args: GenerateArgs) -> int:
         )
     else:
         print(text)
-        print(_stats_line(stats), file=sys.stderr)
+        print(stats_line(stats), file=sys.stderr)
     return 0
 
 
@@ -325,31 +300,13 @@ def _memory(runner, tokens: int, stats: dict) -> dict[str, int]:
     return {"weight_bytes": runner.weight_bytes, "kv_bytes": kv, "peak_rss_bytes": peak}
 
 
-def _stats_line(stats: dict) -> str:
-    line = (
-        f"[{stats['generated_tokens']} tokens, {stats['tokens_per_s']} tok/s, "
-        f"prefill {stats['prefill_s']}s, stop: {stats['stop_reason']}"
-    )
-    if "compressed_bytes" in stats:
-        line += (
-            f", compressed {stats['compressed_bytes']} of {stats['full_bytes']} bytes "
-            f"({stats['compression_ratio']}x)"
-        )
-    if "verifications" in stats:
-        line += (
-            f", {stats['verifications']} verifications, "
-            f"{stats['accepted_per_verification']} accepted each"
-        )
-    return line + "]"
-
-
 def run_demo(ns: argparse.Namespace) -> int:
     from cluster.demo import DemoConfig
     from cluster.demo import run_demo as demo
 
     if ns.prefix_tokens < 256 or ns.requests < 1 or ns.max_new_tokens < 1:
         raise UsageError("--prefix-tokens must be >= 256, --requests and --max-new-tokens >= 1")
-    compressor = _parse_compressor(ns.compressor)
+    compressor = parse_compressor(ns.compressor)
     return demo(DemoConfig(ns.prefix_tokens, ns.requests, ns.max_new_tokens, compressor))
 
 

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from cluster import tls_cli
+from cluster.cli_common import UsageError, parse_compressor, read_prompt_file, stats_line
 from cluster.secret_flags import add_secret
 
 
@@ -61,13 +62,11 @@ def default_endpoint(usage_error, tls) -> str:
 
 
 def parse_publish(ns: argparse.Namespace) -> argparse.Namespace:
-    from cluster.cli import UsageError, _parse_compressor, _read_prompt_file
-
     ns.token = token_of(ns, UsageError)
-    ns.text = ns.text if ns.file is None else _read_prompt_file(ns.file)
+    ns.text = ns.text if ns.file is None else read_prompt_file(ns.file)
     if not ns.text:
         raise UsageError("the prefix text is empty")
-    ns.compressor = [_parse_compressor(spec) for spec in ns.compressor]
+    ns.compressor = [parse_compressor(spec) for spec in ns.compressor]
     ns.tls = tls_cli.client_tls(ns)
     ns.endpoint = ns.endpoint or default_endpoint(UsageError, ns.tls)
     return ns
@@ -164,10 +163,8 @@ def run_remote_generate(args) -> int:
         out = {"mode": args.mode, "tokens": reply.tokens, "text": reply.text, "stats": reply.stats}
         print(json.dumps(out))
     else:
-        from cluster.cli import _stats_line
-
         print()
-        print(_stats_line(reply.stats), file=sys.stderr)
+        print(stats_line(reply.stats), file=sys.stderr)
     return 0
 
 
