@@ -59,11 +59,19 @@ test-all: install
 fuzz: install
 	VERICACHE_FUZZ=long $(PY) -m pytest tests/fuzz -p no:cacheprovider --timeout 3600
 
+# ruff, then the project's own checkers (tools/lint): no import circle and the layer rules
+# (tools/lint/imports.py's table), no six lines of product code in two places. All three
+# run; each prints its findings, and lint fails if any found one.
+LINTED := decoder prefix_store cluster rpc numerics tools tests bench
 lint: install
-	$(VENV)/bin/ruff check decoder prefix_store cluster tests bench
+	@status=0; \
+	$(VENV)/bin/ruff check $(LINTED) || status=1; \
+	$(PY) -m tools.lint.imports || status=1; \
+	$(PY) -m tools.lint.duplicates || status=1; \
+	exit $$status
 
 format: install
-	$(VENV)/bin/ruff format decoder prefix_store cluster tests bench
+	$(VENV)/bin/ruff format $(LINTED)
 
 # Regenerates the wire stubs (proto/gen/vericache/v1, imported as vericache.v1);
 # tests/proto/test_stubs.py fails when they drift from the .proto files.
