@@ -36,13 +36,21 @@ def _shares_service(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `kills_parts` run right after the last other test sharing `service` (still
-    within this package, so that the deployment is started once): they kill parts of it."""
-    killers = [item for item in items if item.get_closest_marker("kills_parts")]
-    rest = [item for item in items if not item.get_closest_marker("kills_parts")]
-    sharing = [i for i, item in enumerate(rest) if _shares_service(item)]
-    if killers and sharing:
-        items[:] = rest[: sharing[-1] + 1] + killers + rest[sharing[-1] + 1 :]
+    """The tests sharing `service` run last in this package, those marked `kills_parts` (they
+    kill parts of it) last of all. Until then, other modules' deployments start and stop
+    their own Ray (one per process: they could not while this one runs), and leaving the
+    package stops it at once."""
+    here = Path(__file__).parent
+    inside = [i for i, item in enumerate(items) if Path(item.path).is_relative_to(here)]
+    if not inside:
+        return
+    first, last = inside[0], inside[-1] + 1
+    package = items[first:last]
+    sharing = [item for item in package if _shares_service(item)]
+    killers = [item for item in sharing if item.get_closest_marker("kills_parts")]
+    others = [item for item in package if not _shares_service(item)]
+    ordered = others + [item for item in sharing if item not in killers] + killers
+    items[first:last] = ordered
 
 
 @pytest.fixture(scope="package")
@@ -55,7 +63,8 @@ def service(tmp_path_factory):
 
     Sharing contract: each test adds its own tenants (names prefixed by its module) and works
     in their namespaces; a test that kills a part of it restarts that part before it ends,
-    pass or fail, and is marked `kills_parts` to run after the others. It runs its own Redis
+    pass or fail, and is marked `kills_parts` to run after the others. These tests run last
+    in the package (`pytest_collection_modifyitems`). It runs its own Redis
     (`redis_url=None`), which the session's `metadata` fixture, emptied for each test, never
     touches. Deployments of another shape stay in their modules: test_serve (a disk tier, no
     decoder), test_router (two decoders, one killed), test_lmcache_serve (a gateway), and
