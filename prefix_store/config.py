@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefix_store.data_plane import DataPlaneLimits
 from prefix_store.layout import LayoutBounds
 from prefix_store.limits import CallBounds
 from prefix_store.metrics import MetricsConfig
@@ -15,6 +14,47 @@ from prefix_store.tls import TLSClientConfig, TLSConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneLimits:
+    """What one data plane holds at most, so that no client can exhaust it."""
+
+    ticket_ttl_s: float = 30.0
+    """An unredeemed ticket expires (releasing its leases) after this long."""
+    max_tickets: int = 1024
+    """Outstanding tickets, shared by the tenants holding them (`prefix_store.shares`: a
+    tenant alone gets half, weighted, a newcomer always finds room); beyond its share
+    `issue` raises LimitExceeded (RESOURCE_EXHAUSTED, retry-after-ms)."""
+    max_connections: int = 256
+    """Connections moving a tenant's transfer (ticket redeemed), shared by tenant as
+    `max_tickets`; one beyond its tenant's share is told RESOURCE_EXHAUSTED and closed."""
+    max_opening: int = 64
+    """Connections that have not yet redeemed a ticket (unauthenticated), shared by peer
+    address; beyond a peer's share (or `opening_per_peer`) a new one takes over the slot of
+    that peer's oldest connection still opening, which is cut (so idle connections cannot
+    lock out a client at the same address: it redeems at once); a peer holding none is
+    told RESOURCE_EXHAUSTED and closed."""
+    opening_per_peer: int = 16
+    """Connections one peer address may hold before redeeming their tickets."""
+    handshake_s: float = 5.0
+    """A new connection must finish its TLS handshake and send its ticket within this long,
+    or it is cut: unauthenticated peers hold no connection longer."""
+    idle_s: float = 15.0
+    """A connection that moves no byte for this long is closed (ticket read included)."""
+    deadline_s: float = 60.0
+    """Every transfer may take this long, or longer at `min_rate` for a large one..."""
+    min_rate: float = 8 * 1024 * 1024
+    """...bytes per second: a slower transfer is cut (the client fails over or retries)."""
+
+    def deadline(self, nbytes: int) -> float:
+        return max(self.deadline_s, nbytes / self.min_rate)
+
+    def __post_init__(self) -> None:
+        if min(self.max_tickets, self.max_connections, self.max_opening) < 1:
+            raise ValueError("DataPlaneLimits: max_tickets, max_connections, max_opening >= 1")
+        if self.opening_per_peer < 1 or self.handshake_s <= 0:
+            raise ValueError("DataPlaneLimits: opening_per_peer >= 1 and handshake_s > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from prefix_store.data_plane import DataPlane, DataPlaneLimits
+from prefix_store.config import DataPlaneLimits
+from prefix_store.data_plane import DataPlane
 from prefix_store.errors import LimitExceeded
 from prefix_store.protocol.frames import HEADER, read_error, redemption, token_key
 

@@ -175,7 +175,7 @@ def test_puts_being_received_hold_only_what_arrived_and_their_quota(store, metad
     arrive are held, within the tenant's fair share, and a put declaring more than that
     share is refused at once."""
     from prefix_store.client.plan import plan_chunks, put_header
-    from prefix_store.data_plane import DataPlaneLimits
+    from prefix_store.config import DataPlaneLimits
 
     size = LAYOUT.chunk_bytes(len(TOKENS))
     server = store.start(

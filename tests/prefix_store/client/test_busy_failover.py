@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefix_store.data_plane import DataPlaneLimits
+from prefix_store.config import DataPlaneLimits
 from prefix_store.errors import LimitExceeded, StoreError
 from tests.prefix_store.conftest import LAYOUT, random_kv
 
