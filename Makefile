@@ -42,13 +42,18 @@ demo: install
 # it runs with `make test-all`; `make test` (CI) runs SnapKV's full matrix and the rest,
 # including the `multihost` tests (root: real hosts in network namespaces; they skip,
 # saying why, without root).
+# Two workers (pytest-xdist): the Ray/deployment tests (`cluster`) on one, in order, and
+# every other module on either (tests/conftest.py); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 test: install
-	$(PY) -m pytest -m "not slow" --durations=25
+	$(PY) -m pytest -m "not slow" $(XDIST) --durations=25
 
 # The inner loop: no `slow` variant and nothing that needs Ray or a subprocess deployment
 # (`cluster`: serve, node start, the testbeds, load/chaos/attack).
 test-fast: install
-	$(PY) -m pytest -m "not slow and not cluster"
+	$(PY) -m pytest -m "not slow and not cluster" $(XDIST)
 
 test-all: install
 	$(PY) -m pytest

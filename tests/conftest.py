@@ -17,6 +17,18 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """How `make test` shares its workers (pytest-xdist, `--dist loadgroup`): every test
+    that needs Ray or a deployment (`cluster`) runs on one worker, in collection order (one
+    Ray per process; the testbeds' namespaces and the shared deployment are one at a time),
+    and each other module's tests run together on one worker (its module fixtures start
+    once). Without xdist the mark does nothing."""
+    for item in items:
+        cluster = item.get_closest_marker("cluster") is not None
+        group = "cluster" if cluster else item.nodeid.partition("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _collect_cycles():
     """A test's servers and workers (each with a model runner of ~1 GB, in reference cycles
