@@ -31,10 +31,10 @@ from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
 from decoder.service.server import decoder_service
 from decoder.service.status import STATUS as DECODER_STATUS
-from prefix_store.limits import CallLimits
 from prefix_store.metrics import metrics_endpoint
 from prefix_store.status import busy_retry_s
 from rpc.handler import Call, Gate, as_sent, streaming, unary
+from rpc.limits import CallLimits
 from rpc.metrics import RpcMetrics
 from rpc.server import parse
 from rpc.status import StatusMap

@@ -33,9 +33,9 @@ from decoder.service.config import DecoderConfig
 from decoder.service.status import STATUS
 from decoder.service.worker import DecoderWorker
 from prefix_store.client import StoreClient
-from prefix_store.limits import CallLimits
 from prefix_store.metrics import metrics_endpoint
 from rpc.handler import Call, Gate, serialize, streaming, unary
+from rpc.limits import CallLimits
 from rpc.server import grpc_server, parse
 
 log = logging.getLogger(__name__)

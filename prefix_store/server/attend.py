@@ -27,12 +27,12 @@ from prefix_store import faults
 from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument, KernelMismatch
 from prefix_store.layout import KVLayout
-from prefix_store.limits import TenantSlots
 from prefix_store.namespace import Namespace
 from prefix_store.protocol.attend import FLOAT32, MAX_CHUNKS, MAX_QUERY_HEADS, MAX_ROWS
 from prefix_store.server.requests import layout_of
 from prefix_store.shard import ChunkRef, FetchStream, Shard
 from rpc.handler import streaming
+from rpc.limits import TenantSlots
 from rpc.server import client_stream
 
 

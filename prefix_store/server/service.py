@@ -20,7 +20,6 @@ from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import DataPlane
 from prefix_store.errors import InvalidArgument, PermissionDenied
-from prefix_store.limits import CallLimits, IdleStreams
 from prefix_store.metadata import Metadata, Tenant
 from prefix_store.pace import Pacer
 from prefix_store.protocol.frames import token_key
@@ -29,6 +28,7 @@ from prefix_store.server.requests import REQUESTS, SMALL_REQUEST, SMALL_REQUESTS
 from prefix_store.shard import Shard
 from prefix_store.shard_metrics import ShardMetrics
 from rpc.handler import Call, Gate
+from rpc.limits import CallLimits, IdleStreams
 from rpc.server import parse
 from rpc.status import STORE
 
