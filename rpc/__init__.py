@@ -4,7 +4,7 @@ same way:
 
 - `handler`: the auth-first handler (`unary`, `streaming`) each service drives with its
   `Gate` (authenticate from the metadata alone, take a call slot, read the request, serve);
-- `limits`: call slots by fair share with an admin pool, Attend-like stream slots, idle
+- `limits`: call slots by fair share with an admin pool, a tenant's stream slots (Attend), idle
   client streams cut;
 - `status`: typed errors to status codes (`StatusMap`: a tier's table over the one below)
   and the one abort that ends a failed call;
