@@ -17,7 +17,7 @@ from decoder.kv_source import FullKVSource
 from decoder.near_data import NearData
 from numerics.cpu.forward import exact_kernel_id
 from prefix_store.client import CachedPrefix, StoreClient
-from prefix_store.client.attention import full_chunks, kernels_match
+from prefix_store.client.near_data import full_chunks, kernels_match
 from prefix_store.layout import KVLayout
 
 

@@ -16,7 +16,6 @@ from concurrent import futures
 
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store.client.attention import AttendRoute, AttentionSession
 from prefix_store.client.channels import Connections
 from prefix_store.client.core import (
     ClientCore,
@@ -26,6 +25,7 @@ from prefix_store.client.core import (
     PublishResult,
     PutStream,
 )
+from prefix_store.client.near_data import AttendRoute, AttentionSession
 from prefix_store.client.plan import (
     ArtifactReceipt,
     Assembly,
@@ -317,7 +317,7 @@ class StoreClient:
         """A session computing attention partials over the prefix's full chunks on the
         shards that hold them (`heads` query heads; `kernel`: the caller's kernel
         fingerprint, which the shards must serve). Opens nothing yet: the first query opens
-        one stream per owner shard (see `client.attention`)."""
+        one stream per owner shard (see `client.near_data`)."""
         self._fresh()
         return AttentionSession(
             self.core, self._conn, AttendRoute(self.core, prefix, heads, kernel)
