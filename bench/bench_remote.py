@@ -326,9 +326,9 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
         raise errors[0]
     worker = server.worker
     timers = {k: 0.0 for k in ("draft_s", "draft_steps", "full_s", "full_steps")}
-    for slot in worker._engines.values():
+    for engine in worker.engines.engines():
         for key in timers:
-            timers[key] += slot.engine.timers[key]
+            timers[key] += getattr(engine.stats, key)
     generated = sum(len(r.tokens) for r in replies)
     verifications = sum(r.stats.get("verifications", 0) for r in replies)
     return {

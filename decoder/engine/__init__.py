@@ -39,22 +39,18 @@ of `vericache` are exactly the tokens of `full` (greedy or seeded sampling), wha
 batch, horizon, compressor, or where the prefix KV came from.
 
 The package, in the order a request meets it: `request` (what callers submit and get
-back), `config`, `scheduler` (admission under the KV budget, prefix groups, retirement, with
-the byte arithmetic in `accounting`), `state` (per-prefix and per-request state), `exact`
-(exact passes and recovery), `planner` (rounds and horizons), `speculative` (draft, verify,
-`accept_length`, rollback), `stats`, and `engine` (the `Engine` that steps them).
+back), `config`, `admission` (the queue, admission under the KV budget, retirement, with the
+byte arithmetic in `accounting`), `state` (per-prefix and per-request state, and the requests
+in flight), `residency` (resident prefixes, local recompute, recovery), `prefix_work` (all
+model work on a prefix: prefill, observe, recompute, compress), `exact` (exact passes),
+`planner` (rounds and horizons), `speculative` (draft, verify, `accept_length`, rollback),
+`stats`, and `engine` (the `Engine` that steps them: schedule, run, postprocess).
 """
 
 from decoder.engine.config import ENGINE_MODES, EngineConfig, EngineMode
 from decoder.engine.engine import Engine
-from decoder.engine.request import (
-    Prefix,
-    Request,
-    Ticket,
-    TokenListener,
-    prefill_prefix,
-    split_prompt,
-)
+from decoder.engine.prefix_work import prefill_prefix, split_prompt
+from decoder.engine.request import Prefix, Request, Ticket, TokenListener
 from decoder.engine.speculative import accept_length
 from decoder.errors import Cancelled, Unreachable
 

@@ -10,13 +10,16 @@ import torch
 
 from decoder.budget import KVBudget
 from decoder.compressors import CompressedKV, CompressorPipeline, parse_compressor
+from decoder.engine.admission import Admission
 from decoder.engine.config import EngineConfig
 from decoder.engine.exact import ExactPasses
 from decoder.engine.planner import RoundPlanner
+from decoder.engine.prefix_work import compressed
 from decoder.engine.request import Prefix, Request, Ticket, TokenListener
-from decoder.engine.scheduler import Scheduler
+from decoder.engine.residency import Residency
 from decoder.engine.speculative import Speculator
-from decoder.engine.state import Running, grouped
+from decoder.engine.state import InFlight, Running, grouped
+from decoder.engine.stats import EngineStats
 from decoder.errors import Cancelled
 from decoder.generate import GenerationResult
 from decoder.horizon import CostModel, HorizonPolicy
@@ -48,33 +51,34 @@ class Engine:
         self.costs = CostModel()
         self.budget = budget if budget is not None else KVBudget(self.config.kv_budget)
         self.ring = LayerRing(runner.config, runner.rc.key_chunk, self.config.staging_depth)
-        self.timers: dict[str, float] = {
-            "draft_s": 0.0,
-            "draft_steps": 0,
-            "verify_s": 0.0,
-            "verify_passes": 0,
-            "full_s": 0.0,
-            "full_steps": 0,
-            "steps": 0,
-        }
-        self.scheduler = Scheduler(
-            runner, self.config, self.pipeline, self.budget, self.ring, self.eos
+        self.stats = EngineStats()
+        self.flight = InFlight()
+        self.residency = Residency(runner, self.config, self.budget, self.ring, self.flight)
+        self.admission = Admission(
+            runner,
+            self.config,
+            self.pipeline,
+            self.budget,
+            self.ring,
+            self.eos,
+            self.stats,
+            self.flight,
+            self.residency,
         )
-        self.scheduler.timers = self.timers
-        self.exact = ExactPasses(self.scheduler)
+        self.exact = ExactPasses(runner, self.ring, self.config.placement, self.residency.recover)
         self.planner = RoundPlanner(
             HorizonPolicy(self.config.horizon, self.config.max_horizon),
             self.costs,
             self.config.stagger,
             self.ring.stats,
-            self.timers,
+            self.stats,
         )
         self.speculator = Speculator(
             runner,
             self.config.draft_mode,
             self.exact,
             self.costs,
-            self.timers,
+            self.stats,
             self._each,
             self.eos,
         )
@@ -89,30 +93,20 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.queued)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def queued(self) -> int:
-        return self.scheduler.queued
-
-    @property
-    def peak_staging_bytes(self) -> int:
-        return self.exact.peak_staging_bytes
+        """Requests in flight or queued."""
+        return bool(self.flight.running or self.admission.queued)
 
     def compressed(self, prefix: Prefix) -> CompressedKV:
         """The prefix's compressed KV for this engine's spec, built once per prefix."""
-        return self.scheduler.compressed(prefix)
+        assert self.pipeline is not None, "full mode compresses nothing"
+        return compressed(self.pipeline, prefix, self.runner.config)
 
     def submit(
         self, request: Request, on_tokens: TokenListener | None = None, tenant: str = ""
     ) -> Ticket:
         """Queue a request; `tenant` is whose it is (admission is fair between tenants)."""
         ticket = Ticket(request, on_tokens, tenant)
-        self.scheduler.submit(ticket)
+        self.admission.submit(ticket)
         return ticket
 
     def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
@@ -134,20 +128,20 @@ class Engine:
         requests in flight. Either way the others, the queue and later submissions go on;
         a failed request's ticket raises its error."""
         self.runner.ensure_exact_supported()
-        fresh = self.scheduler.admit()
+        fresh = self.admission.admit()  # schedule
         live: list[Running] = []
-        try:
+        try:  # run
             if fresh:
                 self._prefill(fresh)
-            live = [r for r in self.scheduler.running if not r.done]
+            live = [r for r in self.flight.running if not r.done]
             if live:
                 self._advance(live)
         except Exception as error:  # not attributable to a request: a bug in a shared pass
             log.exception("an engine pass failed; failing the requests in flight")
             self.ring.cancel()
-            for r in self.scheduler.running:
+            for r in self.flight.running:
                 r.fail(error)
-        self.scheduler.retire(self._deliver)
+        self.admission.retire(self._deliver)  # postprocess
         return bool(fresh or live)
 
     def close(self) -> None:
@@ -158,11 +152,11 @@ class Engine:
         """Fail everything queued or in flight with `error`. The engine stays usable:
         requests submitted afterwards are served."""
         self.ring.cancel()
-        for t in self.scheduler.drain():
+        for t in self.admission.drain():
             t.finish(None, error)
-        for r in self.scheduler.running:
+        for r in self.flight.running:
             r.fail(error)
-        self.scheduler.retire(self._deliver)
+        self.admission.retire(self._deliver)
 
     # -- one iteration ----------------------------------------------------------------------
 
@@ -174,7 +168,7 @@ class Engine:
         self._each(fresh, logits, lambda r, lg: self._first_token(r, lg, seconds))
         if self.config.mode == "vericache":
             started = [r for r in fresh if not r.done]
-            self.planner.plan(started, self._iteration, self.scheduler.running)
+            self.planner.plan(started, self._iteration, self.flight.running)
 
     @staticmethod
     def _first_token(r: Running, logits: torch.Tensor, prefill_s: float) -> None:
@@ -199,13 +193,13 @@ class Engine:
         for r in live:
             r.drafts = r.proposals(min(self.config.ngram, r.remaining - 1))
         self.speculator.verify(live)
-        self.timers["full_s"] += time.perf_counter() - t0
-        self.timers["full_steps"] += 1
-        self.timers["steps"] += 1
+        self.stats.full_s += time.perf_counter() - t0
+        self.stats.full_steps += 1
+        self.stats.steps += 1
 
     def _lossy_step(self, live: list[Running]) -> None:
         """Compressed decoding (not lossless): one draft-mode step, emitted as is."""
-        self.timers["steps"] += 1
+        self.stats.steps += 1
         self.speculator.decode(live, lambda r: r.proposals(min(self.config.ngram, r.remaining - 1)))
 
     def _vericache_step(self, live: list[Running]) -> None:
@@ -224,7 +218,7 @@ class Engine:
         if ready:
             self.speculator.verify(ready)
             verified = [r for r in ready if not r.done]
-            self.planner.plan(verified, self._iteration + 1, self.scheduler.running)
+            self.planner.plan(verified, self._iteration + 1, self.flight.running)
 
     def _draft_proposals(self, r: Running) -> list[int]:
         """n-gram guesses for a draft step: never past the round's horizon."""
@@ -278,7 +272,7 @@ class Engine:
             "near_passes": s.near_passes,
             "near_wire_s": round(s.near_wire_s, 4),
             "near_shard_s": round(s.near_shard_s, 4),
-            "peak_staging_bytes": self.peak_staging_bytes,
+            "peak_staging_bytes": self.exact.peak_staging_bytes,
             "recomputed": group.local,
             "resident_prefix": group.resident is not None,
         }
@@ -298,10 +292,10 @@ class Engine:
             stats.update(
                 fetch_s=round(self.ring.stats.read_s, 4),
                 fetch_stall_s=round(self.ring.stats.stall_s, 4),
-                draft_s=round(self.timers["draft_s"] - r.timers.get("draft_s", 0.0), 4),
-                verify_s=round(self.timers["verify_s"] - r.timers.get("verify_s", 0.0), 4),
+                draft_s=round(self.stats.draft_s - r.at_admission.draft_s, 4),
+                verify_s=round(self.stats.verify_s - r.at_admission.verify_s, 4),
             )
-        stats["batch_steps"] = int(self.timers["steps"] - r.timers.get("steps", 0))
+        stats["batch_steps"] = int(self.stats.steps - r.at_admission.steps)
         return GenerationResult(tokens=r.out, stop_reason=r.stop_reason or "length", stats=stats)
 
 

@@ -12,20 +12,17 @@ and the pass retried for the others: no token leaves a pass that did not complet
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from decoder.config import Placement
 from decoder.engine.state import PrefixGroup, Running, grouped
-from decoder.errors import Unreachable
-from decoder.kv_cache import KVCache, LayerKV
-from decoder.kv_source import LocalKVSource
+from decoder.kv_cache import LayerKV
 from decoder.runner import Logits, ModelRunner, SeqInput
-from decoder.staging import PrefixUnavailable
+from decoder.staging import LayerRing, PrefixUnavailable
 from decoder.views import SharedPrefixView
-from prefix_store.errors import LimitExceeded
 
 if TYPE_CHECKING:
-    from decoder.engine.scheduler import Scheduler
     from decoder.near_data import RemotePass
 
 REMEASURE = 16
@@ -35,24 +32,23 @@ REMEASURE = 16
 Entry = tuple[Running, list[int], Logits]
 """A request, the tokens it feeds to the pass, and which of them need logits."""
 
-
-def recompute_prefix(
-    runner: ModelRunner, tokens: Sequence[int], cache: KVCache | None
-) -> LocalKVSource:
-    """Exact prefill of a prefix (bitwise the KV any exact decoder computes for it)."""
-    if cache is None:
-        cache = runner.new_cache(capacity=len(tokens))
-    runner.forward([SeqInput.extend(cache, list(tokens), logits="none")], "exact")
-    return LocalKVSource(cache, len(tokens))
+Recover = Callable[[PrefixUnavailable, list[PrefixGroup]], None]
+"""`recover(error, near)`: a prefix's full KV failed to arrive (`Residency.recover`)."""
 
 
 class ExactPasses:
     """Runs exact passes for the engine (staging their prefixes' full KV)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.runner = scheduler.runner
-        self.ring = scheduler.ring
+    def __init__(
+        self, runner: ModelRunner, ring: LayerRing, placement: Placement, recover: Recover
+    ) -> None:
+        """recover(error, near): called when a prefix's full KV failed to arrive (the pass is
+        undone; `near` are the groups it attended near the data); it falls back, recomputes,
+        or fails the requests, and the pass is retried for those still running."""
+        self.runner = runner
+        self.ring = ring
+        self.placement = placement
+        self.recover = recover
         self.peak_staging_bytes = 0
         self._near_layer: LayerKV | None = None  # for one run: dropped when it ends
 
@@ -90,7 +86,7 @@ class ExactPasses:
                 self.ring.cancel()
                 for i in pending:
                     entries[i][0].tail.truncate(before[i])
-                self._recover(error, near)
+                self.recover(error, near)
                 pending = [i for i in pending if not entries[i][0].done]
                 continue
             finally:
@@ -162,7 +158,7 @@ class ExactPasses:
         assert near is not None
         if near.skip:
             return False
-        if self.scheduler.config.placement == "near" or not near.stats.passes:
+        if self.placement == "near" or not near.stats.passes:
             return True
         if near.pulled_passes >= REMEASURE:
             return True
@@ -202,30 +198,3 @@ class ExactPasses:
                 c.num_kv_heads, c.head_dim, self.runner.rc.key_chunk, capacity
             )
         return self._near_layer
-
-    def _recover(self, error: PrefixUnavailable, near: list[PrefixGroup]) -> None:
-        """A prefix's full KV failed to arrive. Near-data attention (in the failed attempt,
-        `near`) that was refused as busy pulls for the next pass only; otherwise it falls
-        back to pulling for good. A pull recomputes it locally, or fails its requests."""
-        s = self.scheduler
-        group = next((g for g in s.groups.values() if g.source is error.source), None)
-        if group is None:
-            raise error
-        if group in near:
-            if isinstance(error.cause, LimitExceeded) and group.near is not None:
-                group.near.skip = True
-            else:
-                s.fall_back_to_pull(group, error.cause)
-            return
-        if s.recompute(group, None):
-            return
-        reason = Unreachable(
-            f"the prefix's full KV is unreachable ({error.cause}) and recomputing it locally "
-            f"needs {group.source.nbytes} bytes the decoder's KV budget does not have; no "
-            "unverified token was sent"
-            if s.config.recompute
-            else f"the prefix's full KV is unreachable ({error.cause})"
-        )
-        for r in s.running:
-            if r.group is group:
-                r.fail(reason)

@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Sequence
 
 from decoder.engine.state import Running
+from decoder.engine.stats import EngineStats
 from decoder.horizon import CostModel, HorizonPolicy
 from decoder.staging import RingStats
 
@@ -24,13 +25,13 @@ class RoundPlanner:
         costs: CostModel,
         stagger: bool | None,
         ring_stats: RingStats,
-        timers: dict[str, float],
+        stats: EngineStats,
     ) -> None:
         self.policy = policy
         self.costs = costs
         self.stagger = stagger
         self.ring_stats = ring_stats
-        self.timers = timers
+        self.stats = stats
 
     def plan(self, members: Sequence[Running], start: int, running: Sequence[Running]) -> None:
         """Plan the next rounds of requests that verified (or were admitted) together, their
@@ -53,7 +54,7 @@ class RoundPlanner:
     def staggering(self) -> bool:
         if self.stagger is not None:
             return self.stagger
-        verify_s = self.timers["verify_s"]
+        verify_s = self.stats.verify_s
         return verify_s > 0 and self.ring_stats.stall_s > 0.1 * verify_s
 
     def _plan_round(self, r: Running, start: int, horizon: int, stagger: bool, running) -> None:

@@ -11,7 +11,7 @@ behind it, and lets one tenant's burst delay everyone else's. Here:
   candidate until it fits (the requests in flight finish and free its bytes), so no
   request starves.
 
-Pure bookkeeping, no model: not thread-safe (the scheduler holds its lock around calls).
+Pure bookkeeping, no model: not thread-safe (admission holds its lock around calls).
 """
 
 from __future__ import annotations

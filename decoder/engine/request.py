@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,8 +13,7 @@ import torch
 from decoder.compressors import CompressedKV
 from decoder.engine.ngram import NgramTable
 from decoder.generate import GenerationResult
-from decoder.kv_source import FullKVSource, LocalKVSource
-from decoder.runner import ModelRunner, SeqInput
+from decoder.kv_source import FullKVSource
 from decoder.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,29 +73,6 @@ class Request:
             raise ValueError(f"horizon must be >= 0, got {self.horizon}")
         if self.prepaid < 0:
             raise ValueError(f"prepaid must be >= 0 bytes, got {self.prepaid}")
-
-
-def prefill_prefix(
-    runner: ModelRunner, tokens: Sequence[int], observe: int = 128, room: int = 0
-) -> Prefix:
-    """Exact prefill of a prefix into host memory, keeping its last `observe` queries."""
-    tokens = list(tokens)
-    cache = runner.new_cache(capacity=len(tokens) + room)
-    observed = None
-    if tokens:
-        seq = SeqInput.extend(cache, tokens, logits="none", observe=observe)
-        runner.forward([seq], "exact")
-        observed = seq.observed
-    return Prefix(tokens, LocalKVSource(cache, len(tokens)), observed)
-
-
-def split_prompt(
-    runner: ModelRunner, prompt: Sequence[int], observe: int = 128
-) -> tuple[Prefix, list[int]]:
-    """An in-process prompt: everything but its last token becomes the cached prefix."""
-    if not prompt:
-        raise ValueError("every prompt needs at least one token")
-    return prefill_prefix(runner, prompt[:-1], observe), list(prompt[-1:])
 
 
 TokenListener = Callable[[list[int]], None]

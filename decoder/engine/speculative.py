@@ -16,6 +16,7 @@ import torch
 from decoder.config import Mode
 from decoder.engine.exact import ExactPasses
 from decoder.engine.state import Running, grouped
+from decoder.engine.stats import EngineStats
 from decoder.horizon import CostModel
 from decoder.runner import ModelRunner, SeqInput
 
@@ -60,7 +61,7 @@ class Speculator:
         draft_mode: Mode,
         exact: ExactPasses,
         costs: CostModel,
-        timers: dict[str, float],
+        stats: EngineStats,
         each: Each,
         eos: frozenset[int],
     ) -> None:
@@ -69,7 +70,7 @@ class Speculator:
         self.draft_mode = draft_mode
         self.exact = exact
         self.costs = costs
-        self.timers = timers
+        self.stats = stats
         self.each = each
 
     # -- drafting ---------------------------------------------------------------------------
@@ -85,9 +86,9 @@ class Speculator:
         self.each(drafting, list(zip(logits, feeds, strict=True)), self._extend_drafts)
         seconds = time.perf_counter() - t0
         self.costs.record_draft_step(seconds, len(drafting))
-        self.timers["draft_s"] += seconds
-        self.timers["draft_steps"] += 1
-        self.timers["steps"] += 1
+        self.stats.draft_s += seconds
+        self.stats.draft_steps += 1
+        self.stats.steps += 1
 
     def _extend_drafts(self, r: Running, checked: tuple[torch.Tensor, list[int]]) -> None:
         logits, feed = checked
@@ -160,8 +161,8 @@ class Speculator:
         seconds = time.perf_counter() - t0
         tokens = sum(len(r.drafts) + 1 for r in ready)
         self.costs.record_verification(len(ready), tokens, seconds)
-        self.timers["verify_s"] += seconds
-        self.timers["verify_passes"] += 1
+        self.stats.verify_s += seconds
+        self.stats.verify_passes += 1
         self.each(ready, list(zip(logits, kept, strict=True)), lambda r, v: _accept(r, *v))
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 from decoder.draft_cache import DraftCache, DraftPrefix
 from decoder.engine.ngram import NgramProposer
 from decoder.engine.request import Prefix, Request, Ticket
-from decoder.engine.stats import RequestStats
+from decoder.engine.stats import EngineStats, RequestStats
 from decoder.horizon import Acceptance, DraftYield
 from decoder.kv_cache import KVCache
 from decoder.kv_source import FullKVSource
@@ -77,7 +77,8 @@ class Running:
     acceptance: Acceptance = field(default_factory=Acceptance)
     yields: DraftYield = field(default_factory=DraftYield)
     stats: RequestStats = field(default_factory=RequestStats)
-    timers: dict[str, float] = field(default_factory=dict)  # engine timers at admission
+    at_admission: EngineStats = field(default_factory=EngineStats)
+    """The engine's stats when the request was admitted (its own share is the difference)."""
     decode_start: float = 0.0
     stop_reason: str = ""
     proposer: NgramProposer | None = None
@@ -132,6 +133,26 @@ class Running:
         if not self.done:
             self.stop_reason = "error"
             self.ticket.finish(None, error)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """An engine's requests in flight and their prefix groups (admission adds to them and
+    retires from them; residency and recovery read them)."""
+
+    running: list[Running] = field(default_factory=list)
+    groups: dict[int, PrefixGroup] = field(default_factory=dict)
+    """id(prefix) -> its group."""
+
+    def group_reading(self, source: FullKVSource) -> PrefixGroup | None:
+        """The group whose prefix KV comes from `source`, if any."""
+        return next((g for g in self.groups.values() if g.source is source), None)
+
+    def fail_group(self, group: PrefixGroup, error: BaseException) -> None:
+        """Fail every request over `group`."""
+        for r in self.running:
+            if r.group is group:
+                r.fail(error)
 
 
 def grouped(items: Iterable[T], group_of: Callable[[T], object]) -> list[T]:

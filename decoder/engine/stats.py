@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -60,3 +61,24 @@ class RequestStats:
     def ngram(self) -> dict[str, int]:
         """The prompt-lookup figures of the result (when n-gram speculation is on)."""
         return {"ngram_proposed": self.proposed, "ngram_accepted": self.proposals_taken}
+
+
+@dataclass
+class EngineStats:
+    """What one engine measures over its life (a request's figures are the difference
+    between the engine's stats at its end and a copy taken at its admission)."""
+
+    draft_s: float = 0.0
+    """Seconds spent in draft forwards."""
+    draft_steps: int = 0
+    verify_s: float = 0.0
+    """Seconds spent in verification passes."""
+    verify_passes: int = 0
+    full_s: float = 0.0
+    """Seconds spent in full-KV decode steps."""
+    full_steps: int = 0
+    steps: int = 0
+    """Batch iterations (a draft step, a full step or a lossy step each)."""
+
+    def copy(self) -> EngineStats:
+        return dataclasses.replace(self)

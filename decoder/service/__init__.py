@@ -1,8 +1,10 @@
 """The Decoder service: workers that generate over prefixes cached in the prefix store.
 
-`DecoderWorker` (worker.py) owns a model, its engines and the request flow (lookup,
-artifact, suffix prefill, draft/verify); `DecoderServer` (server.py) serves it over gRPC
-with health checking and reflection; `DecoderClient` (client.py) is the SDK.
+`DecoderWorker` (worker.py) owns a model and the request flow (lookup, artifact, suffix
+prefill, draft/verify) over its `PrefixCache` (prefix_cache.py), `EnginePool`
+(engine_pool.py) and `ModelThread` (model_thread.py); `DecoderServer` (server.py) serves it
+over gRPC with health checking and reflection, converting protobufs to the worker's specs;
+`DecoderClient` (client.py) is the SDK.
 """
 
 from decoder.service.client import DecoderClient, GenerateReply

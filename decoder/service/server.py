@@ -16,12 +16,16 @@ under that id. Tokens sent before a failure were verified; nothing else is sent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
+from decoder.compressors import parse_compressor
+from decoder.engine import ENGINE_MODES
 from decoder.internal import (
     CALLER,
     INTERNAL,
@@ -29,9 +33,16 @@ from decoder.internal import (
     check_method,
     read_credential,
 )
-from decoder.service.config import DecoderConfig
-from decoder.service.status import STATUS
-from decoder.service.worker import DecoderWorker
+from decoder.sampling import SamplingParams
+from decoder.service.config import MAX_NGRAM, DecoderConfig
+from decoder.service.status import STATUS, BadRequest
+from decoder.service.worker import (
+    DecoderWorker,
+    GenerateSpec,
+    Published,
+    PublishSpec,
+    WorkerInfo,
+)
 from prefix_store.client import StoreClient
 from prefix_store.metrics import metrics_endpoint
 from rpc.handler import Call, Gate, serialize, streaming, unary
@@ -50,6 +61,121 @@ def event_message(event: tuple) -> dpb.GenerateEvent:
         return dpb.GenerateEvent(tokens=dpb.Tokens(ids=ids, text=text))
     _, stop, stats = event
     return dpb.GenerateEvent(done=dpb.Done(stop_reason=stop, stats_json=stats))
+
+
+# -- proto <-> spec: the worker takes and returns specs ---------------------------------------
+
+
+def generate_spec(request: dpb.GenerateRequest, worker: DecoderWorker) -> GenerateSpec:
+    """The request validated: every cheap field first, the prompt (tokenized) last."""
+    config = worker.config
+    mode = request.mode or "vericache"
+    if mode not in ENGINE_MODES:
+        raise BadRequest(f"mode {mode!r} is unknown; choose from: {', '.join(ENGINE_MODES)}")
+    compressor = parse_compressor(request.compressor or config.default_compressor).spec
+    if not 1 <= request.max_new_tokens <= config.max_new_tokens:
+        raise BadRequest(
+            f"max_new_tokens must be in [1, {config.max_new_tokens}], got {request.max_new_tokens}"
+        )
+    sampling = sampling_params(request.sampling)
+    horizon = request.horizon if request.HasField("horizon") else None
+    if horizon is not None and horizon > 256:
+        raise BadRequest(f"horizon must be <= 256, got {horizon}")
+    ngram = request.ngram if request.HasField("ngram") else config.ngram
+    if ngram > MAX_NGRAM:
+        raise BadRequest(f"ngram must be <= {MAX_NGRAM}, got {ngram}")
+    prompt = prompt_ids(request, worker)
+    if len(prompt) < 2:
+        raise BadRequest("prompt: at least 2 tokens are needed (a prefix and one more)")
+    limit = worker.model.config.max_position_embeddings
+    if len(prompt) + request.max_new_tokens > limit:
+        raise BadRequest(
+            f"prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+            f"exceeds the model's context of {limit}"
+        )
+    if request.use_unsigned_prefix and request.namespace:
+        raise BadRequest(
+            "use_unsigned_prefix: only for the caller's private namespace; a shared "
+            "namespace is verified against signed KV only"
+        )
+    return GenerateSpec(
+        list(prompt),
+        request.namespace,
+        mode,
+        compressor,
+        request.max_new_tokens,
+        sampling,
+        horizon,
+        request.use_unsigned_prefix,
+        ngram,
+    )
+
+
+def sampling_params(s: dpb.Sampling) -> SamplingParams:
+    """The request's sampling; top_p 0 is proto3's unset (off). Anything outside a field's
+    range (NaN included) is INVALID_ARGUMENT naming it, never quietly off."""
+    try:
+        return SamplingParams(
+            s.temperature,
+            s.top_k,
+            s.top_p if s.top_p != 0 else 1.0,
+            s.seed if s.HasField("seed") else None,
+        )
+    except ValueError as error:
+        raise BadRequest(f"sampling: {error}") from None
+
+
+def publish_spec(request: dpb.PublishRequest, worker: DecoderWorker) -> PublishSpec:
+    tokens = prompt_ids(request, worker)
+    if not tokens:
+        raise BadRequest("prompt: the prefix is empty")
+    compressors = [parse_compressor(spec).spec for spec in request.compressors]
+    return PublishSpec(list(tokens), request.namespace, compressors)
+
+
+def prompt_ids(request, worker: DecoderWorker) -> Sequence[int]:
+    """The prompt's token ids; INVALID_ARGUMENT for one that cannot fit the model's context
+    (text too long for it is refused before it is tokenized)."""
+    which = request.WhichOneof("prompt")
+    model = worker.model
+    limit = model.config.max_position_embeddings
+    if which == "text":
+        if not request.text:
+            raise BadRequest("prompt: the text is empty")
+        if len(request.text) > limit * worker.max_token_chars:
+            raise BadRequest(
+                f"prompt: {len(request.text)} characters cannot fit the model's context "
+                f"of {limit} tokens"
+            )
+        return _fits(model.encode(request.text, chat=request.chat), limit)
+    if which == "token_ids":
+        _fits(request.token_ids.ids, limit)  # its length, before any list is made
+        ids = list(request.token_ids.ids)
+        vocab = model.config.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise BadRequest(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+    raise BadRequest("prompt: set text or token_ids")
+
+
+def _fits(ids: Sequence[int], limit: int) -> Sequence[int]:
+    if len(ids) > limit:
+        raise BadRequest(f"prompt: {len(ids)} tokens exceed the model's context of {limit}")
+    return ids
+
+
+def published_message(published: Published) -> dpb.PublishResponse:
+    return dpb.PublishResponse(
+        tokens=published.tokens,
+        stored_bytes=published.stored_bytes,
+        artifacts=published.artifacts,
+        prefill_s=published.prefill_s,
+    )
+
+
+def info_message(info: WorkerInfo) -> dpb.InfoResponse:
+    return dpb.InfoResponse(**dataclasses.asdict(info))
 
 
 class DecoderServicer:
@@ -90,18 +216,19 @@ class DecoderServicer:
 
     @streaming
     def Generate(self, request, call: Call):
-        spec = self.worker.parse_generate(request)
+        spec = generate_spec(request, self.worker)
         events = self.worker.generate(call.token, spec, cancelled=lambda: not call.is_active())
         for event in events:
             yield event_message(event)
 
     @unary
     def Publish(self, request, call: Call):
-        return self.worker.publish(call.token, request)
+        spec = publish_spec(request, self.worker)
+        return published_message(self.worker.publish(call.token, spec))
 
     @unary
     def Info(self, request, call: Call):
-        return self.worker.info()
+        return info_message(self.worker.info())
 
 
 def handlers(servicer: DecoderServicer) -> grpc.GenericRpcHandler:

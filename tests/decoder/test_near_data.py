@@ -261,7 +261,7 @@ def test_a_resident_copy_is_read_only_when_its_pull_pays_back(
 ):
     """With near-data available, the prefix is read here once only when that pull costs at
     most PAYBACK_PASSES near-data passes (measured): never at 0, at once at 10**6."""
-    monkeypatch.setattr("decoder.engine.scheduler.PAYBACK_PASSES", payback)
+    monkeypatch.setattr("decoder.engine.residency.PAYBACK_PASSES", payback)
     want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
     token = metadata.add_tenant("decoder")
     with shards.client(token) as client:

@@ -292,7 +292,7 @@ def test_a_shared_prefix_is_read_with_each_reader_s_own_client(store, metadata, 
         with DecoderClient(server.address, tokens["b"]) as b:
             again = b.generate(token_ids=doc + [7], max_new_tokens=4, namespace="docs")
         assert again.tokens == first.tokens and again.stats["cached_tokens"] > 0
-        (entry,) = server.worker._prefixes.values()  # one copy for both readers
+        (entry,) = server.worker.prefixes.entries()  # one copy for both readers
         assert entry.prefix.source.client.topology.tenant == "b"
     finally:
         server.stop(0)

@@ -17,6 +17,7 @@ from decoder.compressors import parse_compressor
 from decoder.engine import prefill_prefix
 from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
+from decoder.service.server import prompt_ids
 from decoder.service.status import BadRequest
 from decoder.store_source import kv_layout, publish_source
 from prefix_store.errors import InvalidArgument
@@ -89,7 +90,7 @@ def test_prompts_that_cannot_fit_the_context_are_refused_before_work(
         tracemalloc.start()
         try:
             with pytest.raises(BadRequest, match="2000000 tokens exceed"):
-                decoder.worker._prompt_ids(huge)
+                prompt_ids(huge, decoder.worker)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -11,13 +11,13 @@ import pytest
 
 from decoder.engine import Engine, EngineConfig, Request, prefill_prefix
 from decoder.errors import ShuttingDown
-from decoder.service.scheduler import Scheduler
+from decoder.service.model_thread import ModelThread
 from decoder.service.status import code_of
 from tests.waiting import eventually
 
 
 def test_stop_fails_what_was_queued_and_what_comes_later(builtin_model, builtin_runner):
-    scheduler = Scheduler()
+    scheduler = ModelThread()
     running, release = threading.Event(), threading.Event()
     first = threading.Thread(target=scheduler.call, args=(lambda: running.set() or release.wait(),))
     first.start()

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Scheduler:
+class ModelThread:
     """The model thread: jobs and engine steps, one at a time, until `stop`. Once stopped,
     every call, submission and job still queued fails with `ShuttingDown`."""
 
@@ -36,7 +36,7 @@ class Scheduler:
         self._jobs: deque[tuple[Callable, Future]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="decoder-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="decoder-model", daemon=True)
         self._thread.start()
 
     def add_engine(self, engine: Engine) -> None:
@@ -51,7 +51,7 @@ class Scheduler:
         engine.close()
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the scheduler thread and return its result (or raise its error)."""
+        """Run `fn` on the model thread and return its result (or raise its error)."""
         future: Future = Future()
         with self._wake:
             self._check_running()
@@ -62,7 +62,7 @@ class Scheduler:
     def submit(
         self, engine: Engine, request: Request, on_tokens: TokenListener, tenant: str = ""
     ) -> Ticket:
-        """Submit `tenant`'s `request` to `engine` (one of this scheduler's) and wake the
+        """Submit `tenant`'s `request` to `engine` (one of this thread's) and wake the
         loop. Under the loop's lock, so that a request is either refused here or failed by
         `stop`."""
         with self._wake:

@@ -1,0 +1,365 @@
+"""Admission under the KV budget, the prefix groups requests share, and retirement.
+
+Everything the engine keeps for a request is reserved from the `KVBudget` before the
+request is admitted (DESIGN.md section 4): its own tails, its share of what its prefix group
+holds (the compressed prefix, or the full prefix in full-KV mode or after a local
+recompute), and the growth of the shared staging ring and decode scratch. The queue
+(`decoder.engine.queue`) offers tenants' requests round robin; one that does not fit yet is
+passed by others a bounded number of times, then waits alone until its bytes fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from decoder.budget import KVBudget
+from decoder.compressors import CompressedKV, CompressorPipeline
+from decoder.compressors.artifact import validate
+from decoder.draft_cache import DraftCache, DraftPrefix, DraftScratch
+from decoder.engine.accounting import Footprint, KVBytes
+from decoder.engine.config import EngineConfig
+from decoder.engine.ngram import NgramProposer
+from decoder.engine.prefix_work import compressed
+from decoder.engine.queue import FairQueue
+from decoder.engine.request import Prefix, Request, Ticket
+from decoder.engine.residency import Residency
+from decoder.engine.state import InFlight, PrefixGroup, Running
+from decoder.engine.stats import EngineStats
+from decoder.errors import Cancelled, OverBudget
+from decoder.kv_cache import KVCache
+from decoder.kv_source import LocalKVSource
+from decoder.runner import ModelRunner
+from decoder.sampling import Sampler
+from decoder.staging import LayerRing
+
+if TYPE_CHECKING:  # the store's client stack is imported only where a prefix is remote
+    from decoder.near_data import NearData
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Charges:
+    """Budget bytes admitting one request reserves, by what they pay for."""
+
+    room: int
+    """Tail tokens the group's shared buffers leave after the prefix once it is admitted."""
+    own: int
+    """Its exact (and draft) tail."""
+    buffers: int
+    """Growth of the group's shared buffers (resident or draft prefix)."""
+    local: int
+    """A prefix held in local memory: its KV (the group is charged for it)."""
+    scratch: int
+    staging: int
+    prepaid: int
+    """Of a local prefix's KV, what the caller already reserved."""
+    near: NearData | None
+    """Near-data attention to load, or None (its head is then not charged)."""
+
+    @property
+    def head(self) -> int:
+        return self.near.head_bytes if self.near is not None else 0
+
+    @property
+    def shared(self) -> int:
+        """What the group is charged: `buffers`, a local prefix's KV, near-data's head."""
+        return self.buffers + self.local + self.head
+
+    @property
+    def need(self) -> int:
+        return self.own + self.shared + self.scratch + self.staging - self.prepaid
+
+
+class Admission:
+    """The queue, and admission of its requests into the engine's requests in flight under
+    the budget; retirement gives their bytes back."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        pipeline: CompressorPipeline | None,
+        budget: KVBudget,
+        ring: LayerRing,
+        eos: frozenset[int],
+        stats: EngineStats,
+        flight: InFlight,
+        residency: Residency,
+    ) -> None:
+        """stats: the engine's (copied into each request at admission)."""
+        self.runner = runner
+        self.config = config
+        self.pipeline = pipeline
+        self.budget = budget
+        self.ring = ring
+        self.eos = eos
+        self.stats = stats
+        self.flight = flight
+        self.residency = residency
+        c = runner.config
+        self.scratch = DraftScratch(c.num_kv_heads, c.head_dim)
+        kv_bytes = KVBytes(c, runner.rc.key_chunk)
+        self.footprint = Footprint(kv_bytes, config, self.compressed if pipeline else None, ring)
+        self._queue: FairQueue[Ticket] = FairQueue(max_bypass=config.max_bypass)
+        self._lock = threading.Lock()
+        self._ring_charged = 0
+        self._scratch_charged = 0
+
+    # -- the queue ----------------------------------------------------------------------------
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._queue.push(ticket, ticket.tenant)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def drain(self) -> list[Ticket]:
+        """Empty the queue; returns what was in it."""
+        with self._lock:
+            queued = self._queue.items()
+            self._queue.remove_if(lambda _: True)
+        for ticket in queued:
+            self._refund(ticket)
+        return queued
+
+    def _refund(self, ticket: Ticket) -> None:
+        """A ticket leaving the queue unadmitted gives back what its caller prepaid."""
+        if ticket.prepaid:
+            self.budget.release(ticket.prepaid)
+            ticket.prepaid = 0
+
+    def admit(self) -> list[Running]:
+        """Admit queued requests that fit, in the queue's fair order; the newly admitted.
+
+        A request that can never run (bad input, an artifact that does not fit the model,
+        more bytes than the whole budget) fails alone and the next one is considered."""
+        self._drop_cancelled()
+        if not self.flight.running:
+            self.release_idle_buffers()  # a waiting request must not wait on our own staging
+        fresh = []
+        while True:
+            with self._lock:
+                candidates = self._queue.candidates()
+            admitted = self._admit_some(candidates)
+            fresh += admitted
+            if not admitted:
+                break
+        if not self.queued:
+            self.residency.promote()
+        return fresh
+
+    def _admit_some(self, candidates: list[Ticket]) -> list[Running]:
+        """Try `candidates` in order; stop early when one that does not fit has been passed
+        too often (it then waits alone)."""
+        admitted = []
+        for ticket in candidates:
+            try:
+                running = self._try_admit(ticket)
+            except Exception as error:
+                with self._lock:
+                    self._queue.remove(ticket)
+                self._refund(ticket)
+                ticket.finish(None, error)
+                continue
+            with self._lock:
+                if running is None:
+                    self._queue.refused(ticket)
+                else:
+                    self._queue.admitted(ticket)
+                blocked = self._queue.blocked()
+            if running is not None:
+                self.flight.running.append(running)
+                admitted.append(running)
+            if blocked:
+                break
+        return admitted
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            cancelled = self._queue.remove_if(lambda t: t.cancelled)
+        for ticket in cancelled:
+            self._refund(ticket)
+            ticket.finish(None, Cancelled("the request was cancelled"))
+        for r in self.flight.running:
+            if r.ticket.cancelled:
+                r.fail(Cancelled("the request was cancelled"))
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def compressed(self, prefix: Prefix) -> CompressedKV:
+        """The prefix's compressed KV for this engine's spec, built once per prefix."""
+        assert self.pipeline is not None
+        return compressed(self.pipeline, prefix, self.runner.config)
+
+    def _try_admit(self, ticket: Ticket) -> Running | None:
+        """Admit the ticket's request if its bytes fit; None when they do not (yet)."""
+        req = ticket.request
+        capacity = self.footprint.tail_capacity(req)
+        group = self.flight.groups.get(id(req.prefix))
+        new_group = group is None
+        t0 = time.perf_counter()  # building a new group's compressed prefix counts
+        self._check(req, new_group)
+        if group is not None and group.resident_charged and capacity > group.room:
+            self.residency.demote(group)  # its resident copy has no room for this request's tail
+        if group is None:
+            group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
+        charges = self._charges(ticket, group, new_group, capacity)
+        if not self._reserve(charges):
+            return None
+        previous_room = group.room
+        try:
+            if charges.near is not None:
+                group.near = self.residency.load_near(charges.near)
+            if new_group or capacity > group.room:
+                group.room = charges.room
+                self._build_shared(group)
+            tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
+            draft = DraftCache(group.draft, capacity) if group.draft is not None else None
+        except BaseException:
+            group.room = previous_room
+            self.budget.release(charges.need)
+            raise
+        self._commit(ticket, group, charges, new_group)
+        running = self._running(ticket, group, tail, charges.own)
+        running.draft = draft
+        if new_group and self.config.mode == "full" and not group.local:
+            running.stats.pulled_bytes += group.source.nbytes  # the resident copy's pull
+        if new_group and group.near is not None:
+            running.stats.pulled_bytes += group.near.head_bytes  # the head's pull
+        running.stats.compress_s = time.perf_counter() - t0
+        return running
+
+    def _charges(
+        self, ticket: Ticket, group: PrefixGroup, new_group: bool, capacity: int
+    ) -> _Charges:
+        """What admitting the ticket's request into `group` would reserve."""
+        room = max(group.room, capacity)
+        buffers = self.footprint.buffers_growth(group, room)
+        # A prefix held in local memory (prefilled here, not in the store) counts too; what
+        # its caller prepaid for it is taken over rather than reserved again.
+        local = isinstance(group.source, LocalKVSource) and new_group
+        return _Charges(
+            room=room,
+            own=self.footprint.own(capacity),
+            buffers=buffers,
+            local=group.source.nbytes if local else 0,
+            scratch=self.footprint.scratch_growth(group, room, self._scratch_charged),
+            staging=self.footprint.staging_growth(group.source.length + room, self._ring_charged),
+            prepaid=min(ticket.prepaid, group.source.nbytes) if local else 0,
+            near=self.residency.near(group) if new_group else None,
+        )
+
+    def _reserve(self, charges: _Charges) -> bool:
+        """Reserve the charges (without near-data's head if only that does not fit); False
+        when they do not fit now, OverBudget when they never will."""
+        if self.budget.try_reserve(charges.need):
+            return True
+        if charges.head:  # pulling needs no head: admit it without near-data
+            charges.near = None
+            if self.budget.try_reserve(charges.need):
+                return True
+        # With nothing of ours in flight, this is what the request needs on its own.
+        alone = charges.need + charges.prepaid
+        limit = self.budget.limit
+        if not self.flight.running and limit is not None and alone > limit:
+            raise OverBudget(
+                f"the request needs {alone} bytes of KV but the decoder's budget is {limit} bytes"
+            )
+        return False
+
+    def _commit(
+        self, ticket: Ticket, group: PrefixGroup, charges: _Charges, new_group: bool
+    ) -> None:
+        """The reserved bytes, booked to the group and the engine's shared buffers."""
+        head = charges.head
+        self.budget.release(ticket.prepaid - charges.prepaid)  # beyond what the prefix holds
+        ticket.prepaid = 0
+        group.charged += charges.shared - (head if group.near is None else 0)
+        if group.near is None and head:
+            self.budget.release(head)  # its head could not be fetched: the prefix is pulled
+        elif group.near is not None:
+            group.near_charged = head
+        group.buffers += charges.buffers
+        self._ring_charged += charges.staging
+        self._scratch_charged += charges.scratch
+        if new_group:
+            self.flight.groups[id(group.prefix)] = group
+        group.members += 1
+
+    def _running(self, ticket: Ticket, group: PrefixGroup, tail: KVCache, own: int) -> Running:
+        req = ticket.request
+        running = Running(
+            ticket,
+            group,
+            Sampler(req.sampling),
+            tail,
+            self.eos,
+            charged=own,
+            admitted=time.perf_counter(),
+            at_admission=self.stats.copy(),
+        )
+        if self.config.ngram:
+            running.proposer = NgramProposer(req.prefix.ngrams, req.suffix)
+        return running
+
+    def _check(self, req: Request, new_group: bool) -> None:
+        """A token the runner would refuse fails this request here, not a shared pass; so
+        does a compressed prefix a new group would draft over that does not fit the model
+        (one the caller put in `prefix.artifacts` may not: ArtifactFormatError)."""
+        vocab = self.runner.config.vocab_size
+        bad = next((t for t in req.suffix if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"suffix: token id {bad} is outside the vocabulary [0, {vocab})")
+        if new_group and self.pipeline is not None:
+            prefix = req.prefix
+            compressed = self.compressed(prefix)
+            validate(compressed, self.runner.config, prefix.source.length, self.pipeline.spec)
+
+    def _build_shared(self, group: PrefixGroup) -> None:
+        if self.config.mode == "full":
+            self.residency.load(group)
+            return
+        c = self.runner.config
+        if group.draft is None:
+            group.draft = DraftPrefix(
+                self.compressed(group.prefix), c.num_kv_heads, c.head_dim, self.scratch
+            )
+        group.draft.ensure_room(group.room)
+
+    # -- retirement ---------------------------------------------------------------------------
+
+    def retire(self, deliver: Callable[[Running], None]) -> None:
+        """Release the budget of requests that ended; `deliver` those that did not fail."""
+        keep = []
+        for r in self.flight.running:
+            if not r.done:
+                keep.append(r)
+                continue
+            self.budget.release(r.charged)
+            g = r.group
+            g.members -= 1
+            if g.members == 0:
+                self.budget.release(g.charged + g.resident_charged)
+                self.flight.groups.pop(id(g.prefix), None)
+            if r.stop_reason != "error":
+                deliver(r)
+        self.flight.running = keep
+        if not self.flight.running:
+            self.release_idle_buffers()
+
+    def release_idle_buffers(self) -> None:
+        """Nothing in flight: staging and the decode scratch go back to the budget."""
+        if self._ring_charged or self._scratch_charged:
+            self.ring.drop()
+            self.scratch.drop()
+            self.budget.release(self._ring_charged + self._scratch_charged)
+            self._ring_charged = self._scratch_charged = 0
