@@ -124,6 +124,42 @@ class _Entry:
     write: Write | None = None
 
 
+def read_file_header(path: Path) -> tuple[Blob, int]:
+    """A blob file's header and the offset of its data, checked against the file's size
+    (ValueError naming what is wrong: the scan rejects the file)."""
+    with path.open("rb") as f:
+        if f.read(4) != MAGIC:
+            raise ValueError("bad magic")
+        (length,) = struct.unpack("<I", f.read(4))
+        if 8 + length > os.fstat(f.fileno()).st_size:  # never allocate a declared length
+            raise ValueError(f"a header of {length} bytes runs past the end of the file")
+        header = f.read(length)
+        if len(header) != length:
+            raise ValueError("truncated header")
+        blob = _blob_of(json.loads(header))
+        size = os.fstat(f.fileno()).st_size
+    offset = 8 + length
+    if size != offset + blob.nbytes:
+        raise ValueError(f"{size} bytes, expected {offset + blob.nbytes}")
+    return blob, offset
+
+
+def write_file(write: Write) -> None:
+    """Write a blob file durably: to a temporary name, fsynced, then renamed into place."""
+    tmp = write.path.with_suffix(".tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(write.header)) + write.header)
+            for segment in write.blob.data:
+                f.write(segment)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, write.path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class DiskTier:
     """Holds at most `capacity` bytes of blob data under `root`. Not thread-safe: the shard
     serialises index changes (everything but `perform`, `read_segment` and `read`, which
@@ -154,7 +190,7 @@ class DiskTier:
         found: dict[BlobId, tuple[float, Blob, Path, int]] = {}
         for path in sorted(self.root.glob("*.blob")):
             try:
-                blob, offset = self._read_header(path)
+                blob, offset = read_file_header(path)
                 mtime = path.stat().st_mtime
             except UNUSABLE as error:
                 self._reject(path, f"{type(error).__name__}: {error}")
@@ -178,24 +214,6 @@ class DiskTier:
         log.warning("disk tier %s: removing unusable %s (%s)", self.root, path.name, reason)
         self.rejected.append((path.name, reason))
         path.unlink(missing_ok=True)
-
-    @staticmethod
-    def _read_header(path: Path) -> tuple[Blob, int]:
-        with path.open("rb") as f:
-            if f.read(4) != MAGIC:
-                raise ValueError("bad magic")
-            (length,) = struct.unpack("<I", f.read(4))
-            if 8 + length > os.fstat(f.fileno()).st_size:  # never allocate a declared length
-                raise ValueError(f"a header of {length} bytes runs past the end of the file")
-            header = f.read(length)
-            if len(header) != length:
-                raise ValueError("truncated header")
-            blob = _blob_of(json.loads(header))
-            size = os.fstat(f.fileno()).st_size
-        offset = 8 + length
-        if size != offset + blob.nbytes:
-            raise ValueError(f"{size} bytes, expected {offset + blob.nbytes}")
-        return blob, offset
 
     # ---- the index (under the shard's lock) -------------------------------------------
 
@@ -297,7 +315,7 @@ class DiskTier:
         thread may get its file after the unlink: `settle` then stages the unlink again."""
         for write in io.writes:
             try:
-                self._write_file(write)
+                write_file(write)
             except OSError as error:
                 log.error("disk tier %s: writing %s failed: %s", self.root, write.path.name, error)
                 write.error = error
@@ -310,21 +328,6 @@ class DiskTier:
                 log.error("disk tier %s: directory fsync failed: %s", self.root, error)
                 for write in io.writes:
                     write.error = write.error or error
-
-    @staticmethod
-    def _write_file(write: Write) -> None:
-        tmp = write.path.with_suffix(".tmp")
-        try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(write.header)) + write.header)
-                for segment in write.blob.data:
-                    f.write(segment)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, write.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
 
     def read_segment(self, blob_id: BlobId, index: int) -> bytes:
         entry = self._index[blob_id]

@@ -19,6 +19,7 @@ import pytest
 from prefix_store.config import ShardConfig
 from prefix_store.errors import StoreFull, Unavailable
 from prefix_store.shard import ChunkRef, Shard
+from prefix_store.tiers import disk
 from prefix_store.tiers.disk import MAGIC, DiskTier
 from tests.prefix_store.test_shard import CHUNK, LAYOUT, SPACE, fetch_all, make, put
 
@@ -188,14 +189,14 @@ class Gate:
 
     def __init__(self, monkeypatch):
         self.open, self.waiting = threading.Event(), threading.Semaphore(0)
-        real = DiskTier._write_file
+        real = disk.write_file
 
         def slow(write):
             self.waiting.release()
             assert self.open.wait(30)
             real(write)
 
-        monkeypatch.setattr(DiskTier, "_write_file", staticmethod(slow))
+        monkeypatch.setattr(disk, "write_file", slow)
 
 
 def test_disk_writes_do_not_hold_the_shard_lock(tmp_path, monkeypatch):
