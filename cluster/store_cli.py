@@ -246,7 +246,7 @@ def add_commands(sub) -> None:
     add.add_argument(
         "--quota",
         type=parse_bytes,
-        default=8 << 30,  # prefix_store.metadata.DEFAULT_QUOTA (not imported: redis)
+        default=8 << 30,  # prefix_store.metadata.records.DEFAULT_QUOTA (not imported: redis)
         help="bytes the tenant may store, replicas included (default 8GiB; 0 = unlimited)",
     )
     add.add_argument(
@@ -450,7 +450,7 @@ def run_stop(ns) -> int:
 
 
 def _redacted(url: str) -> str:
-    from prefix_store.metadata import redact_url
+    from prefix_store.metadata.records import redact_url
 
     return redact_url(url)
 

@@ -7,7 +7,8 @@ import time
 from collections import OrderedDict
 
 from prefix_store.errors import NotFound, Unauthenticated
-from prefix_store.metadata import Metadata, Tenant
+from prefix_store.metadata import Metadata
+from prefix_store.metadata.records import Tenant
 from prefix_store.namespace import Namespace
 from prefix_store.shard import Allowance
 from prefix_store.throttle import AuthBounds, FailureThrottle

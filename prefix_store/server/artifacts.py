@@ -9,7 +9,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.blob import crc32c
 from prefix_store.errors import Aborted, InvalidArgument
-from prefix_store.metadata import Tenant
+from prefix_store.metadata.records import Tenant
 from prefix_store.pace import Pace
 from prefix_store.server.requests import layout_of
 from prefix_store.server.service import Service

@@ -20,7 +20,8 @@ from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import DataPlane
 from prefix_store.errors import InvalidArgument, PermissionDenied
-from prefix_store.metadata import Metadata, Tenant
+from prefix_store.metadata import Metadata
+from prefix_store.metadata.records import Tenant
 from prefix_store.pace import Pacer
 from prefix_store.protocol.frames import token_key
 from prefix_store.server.attend import AttendStats, kernel_fingerprint

@@ -16,7 +16,8 @@ import pytest
 from vericache.v1 import prefix_store_pb2 as pb
 
 from cluster.redis_server import RedisServer
-from prefix_store.metadata import Metadata, redact_url
+from prefix_store.metadata import Metadata
+from prefix_store.metadata.records import redact_url
 from prefix_store.throttle import AuthBounds
 from tests.prefix_store.conftest import Store
 from tests.waiting import eventually

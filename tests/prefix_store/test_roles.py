@@ -15,7 +15,7 @@ import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.errors import NotFound, PermissionDenied, Unauthenticated
-from prefix_store.metadata import DEFAULT_QUOTA
+from prefix_store.metadata.records import DEFAULT_QUOTA
 from prefix_store.throttle import AuthBounds
 from tests.prefix_store.conftest import LAYOUT, random_kv
 
