@@ -310,6 +310,41 @@ class ServeConfig:
         return "mtls" if self.tls.mutual else "tls"
 
 
+def init_ray(config: ServeConfig) -> bool:
+    """Ray with its token authentication on (cluster/ray_auth.py): embedded, this
+    process is the head and makes the token file; on a cluster it must exist here.
+    Whether it connected (False: this process already had Ray, which it does not own)."""
+    if ray.is_initialized():
+        return False
+    token = ray_auth.token_file()
+    if config.address is None:
+        with private_umask():
+            ray_auth.use_token(ray_auth.provision_token(token))
+        ray.init(
+            address="local",  # its own instance, never another Ray found on this host
+            num_cpus=max(2, os.cpu_count() or 2),
+            resources={STORAGE_RESOURCE: config.shards},
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            namespace=NAMESPACE,
+        )
+    else:
+        ray_auth.use_token(ray_auth.require_token(token))
+        ray.init(address=config.address, log_to_driver=False, namespace=NAMESPACE)
+    return True
+
+
+def pinned(name: str, node_id: str | None, detach: bool) -> dict:
+    """Ray options pinning an actor to a node; named and detached when detaching."""
+    options = {}
+    if node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if detach:
+        options.update(name=name, namespace=NAMESPACE, lifetime="detached")
+    return options
+
+
 class Deployment:
     """Starts and stops the service. Use as a context manager, or start()/stop()."""
 
@@ -353,7 +388,7 @@ class Deployment:
             raise
 
     def _start(self) -> Deployment:
-        self._init_ray()
+        self._owns_ray = init_ray(self.config)
         if self.redis_url is None:
             self.redis_url = self._start_redis()
         metadata = Metadata(self.redis_url)
@@ -371,29 +406,6 @@ class Deployment:
         self._write_state()
         return self
 
-    def _init_ray(self) -> None:
-        """Ray with its token authentication on (cluster/ray_auth.py): embedded, this
-        process is the head and makes the token file; on a cluster it must exist here."""
-        if ray.is_initialized():
-            return
-        token = ray_auth.token_file()
-        if self.config.address is None:
-            with private_umask():
-                ray_auth.use_token(ray_auth.provision_token(token))
-            ray.init(
-                address="local",  # its own instance, never another Ray found on this host
-                num_cpus=max(2, os.cpu_count() or 2),
-                resources={STORAGE_RESOURCE: self.config.shards},
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                namespace=NAMESPACE,
-            )
-        else:
-            ray_auth.use_token(ray_auth.require_token(token))
-            ray.init(address=self.config.address, log_to_driver=False, namespace=NAMESPACE)
-        self._owns_ray = True
-
     def _start_redis(self) -> str:
         """A redis-server here (embedded), or an actor on this node (cluster). Either way it
         generates its password, which only its URL (and so the state file) carries."""
@@ -409,24 +421,15 @@ class Deployment:
         here = ray.get_runtime_context().get_node_id()
         self.redis_actor = (
             redis_actor_class()
-            .options(**self._placement("redis", here))
+            .options(**pinned("redis", here, self.config.detach))
             .remote(str(directory), self.config.host, self.config.redis_port, None)
         )
         return ray.get(self.redis_actor.url.remote(), timeout=60)
 
-    def _placement(self, name: str, node_id: str | None) -> dict:
-        """Ray options pinning an actor to a node; named and detached when detaching."""
-        options = {}
-        if node_id is not None:
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        if self.config.detach:
-            options.update(name=name, namespace=NAMESPACE, lifetime="detached")
-        return options
-
     def start_shard(self, index: int) -> str:
         """(Re)start shard `index` on its storage node; it finds its disk tier again."""
         node = spread(nodes_with(STORAGE_RESOURCE), index, "storage")
-        placement = self._placement(f"shard-{index}", node)
+        placement = pinned(f"shard-{index}", node, self.config.detach)
         config = self.config.shard(index, self.signer.verifier.public_bytes, self.metrics_token)
         actor = shard_actor(config, self.redis_url, placement)
         address = ray.get(actor.start.remote(), timeout=120)
@@ -448,7 +451,7 @@ class Deployment:
         stores = [self.endpoints[i] for i in sorted(self.endpoints)]
         nodes = nodes_with(DECODER_RESOURCE)
         node = spread(nodes, index, "decoder") if nodes else None
-        placement = self._placement(f"decoder-{index}", node)
+        placement = pinned(f"decoder-{index}", node, self.config.detach)
         if nodes:
             placement["resources"] = {DECODER_RESOURCE: 1}
         gpus = any(n["Resources"].get("GPU", 0) >= 1 for n in nodes or alive_nodes())
@@ -465,7 +468,7 @@ class Deployment:
         stores = [self.endpoints[i] for i in sorted(self.endpoints)]
         here = ray.get_runtime_context().get_node_id()
         config = self.config.router(index, stores, self._decoder_set(), self.metrics_token)
-        actor = router_actor(config, self._placement(f"router-{index}", here))
+        actor = router_actor(config, pinned(f"router-{index}", here, self.config.detach))
         address = ray.get(actor.start.remote(), timeout=120)
         self.router_actors[index], self.routers[index] = actor, address
         self._metrics_of(f"router-{index}", actor)
@@ -483,7 +486,8 @@ class Deployment:
         stores = [self.endpoints[i] for i in sorted(self.endpoints)]
         config = self.config.gateway(stores, token, self.metrics_token)
         here = ray.get_runtime_context().get_node_id()
-        self.gateway_actor = gateway_actor(config, self._placement("lmcache-gateway", here))
+        options = pinned("lmcache-gateway", here, self.config.detach)
+        self.gateway_actor = gateway_actor(config, options)
         self.lmcache = ray.get(self.gateway_actor.start.remote(), timeout=120)
         self._metrics_of("lmcache-gateway", self.gateway_actor)
         return self.lmcache
