@@ -65,14 +65,16 @@ fuzz: install
 	VERICACHE_FUZZ=long $(PY) -m pytest tests/fuzz -p no:cacheprovider --timeout 3600
 
 # ruff, then the project's own checkers (tools/lint): no import circle and the layer rules
-# (tools/lint/imports.py's table), no six lines of product code in two places. All three
-# run; each prints its findings, and lint fails if any found one.
+# (tools/lint/imports.py's table), no six lines of product code in two places, no class
+# over 300 lines or 20 methods. All four run; each prints its findings, and lint fails if
+# any found one.
 LINTED := decoder prefix_store cluster rpc numerics tools tests bench
 lint: install
 	@status=0; \
 	$(VENV)/bin/ruff check $(LINTED) || status=1; \
 	$(PY) -m tools.lint.imports || status=1; \
 	$(PY) -m tools.lint.duplicates || status=1; \
+	$(PY) -m tools.lint.classes || status=1; \
 	exit $$status
 
 format: install
