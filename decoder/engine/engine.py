@@ -92,9 +92,19 @@ class Engine:
         return self.pipeline.observe_window if self.pipeline else 0
 
     @property
+    def in_flight(self) -> int:
+        """Requests being decoded."""
+        return len(self.flight.running)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for admission."""
+        return self.admission.queued
+
+    @property
     def busy(self) -> bool:
         """Requests in flight or queued."""
-        return bool(self.flight.running or self.admission.queued)
+        return bool(self.in_flight or self.queued)
 
     def compressed(self, prefix: Prefix) -> CompressedKV:
         """The prefix's compressed KV for this engine's spec, built once per prefix."""

@@ -100,6 +100,6 @@ class EnginePool:
         engines = self.engines()
         return PoolFigures(
             len(engines),
-            sum(len(e.flight.running) for e in engines),
-            sum(e.admission.queued for e in engines),
+            sum(e.in_flight for e in engines),
+            sum(e.queued for e in engines),
         )
