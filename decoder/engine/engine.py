@@ -175,18 +175,10 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.exact.run([(r, r.req.suffix, "last") for r in fresh])
         seconds = time.perf_counter() - t0
-        self._each(fresh, logits, lambda r, lg: self._first_token(r, lg, seconds))
+        self._each(fresh, logits, lambda r, lg: _first_token(r, lg, seconds))
         if self.config.mode == "vericache":
             started = [r for r in fresh if not r.done]
             self.planner.plan(started, self._iteration, self.flight.running)
-
-    @staticmethod
-    def _first_token(r: Running, logits: torch.Tensor, prefill_s: float) -> None:
-        """A prefilled request: its first token, and its draft tail mirrors its exact one."""
-        r.start(prefill_s)
-        r.emit([r.sampler.choose(logits[-1], 0)])
-        if r.draft is not None:
-            r.draft.copy_tail(r.tail, 0, len(r.tail))
 
     def _advance(self, live: list[Running]) -> None:
         {
@@ -216,7 +208,7 @@ class Engine:
         """Requests still drafting draft one token; requests whose round is drafted verify
         together; the next pass's pull starts before the draft step. Requests keep their
         own rounds, so a short horizon never waits for a long one."""
-        drafting = [r for r in live if self._drafting(r)]
+        drafting = [r for r in live if _drafting(r, self.eos)]
         upcoming = [r for r in live if r not in drafting or len(r.drafts) + 1 >= r.horizon]
         pulled = dict.fromkeys(r.group for r in grouped(upcoming, lambda r: r.group))
         pulled = [g for g in pulled if g.resident is None and not self.exact.attends_near(g)]
@@ -224,7 +216,7 @@ class Engine:
             self.ring.begin([g.pass_group() for g in pulled])
         if drafting:
             self.speculator.draft(drafting, self._draft_proposals)
-        ready = [r for r in live if not r.done and not self._drafting(r)]
+        ready = [r for r in live if not r.done and not _drafting(r, self.eos)]
         if ready:
             self.speculator.verify(ready)
             verified = [r for r in ready if not r.done]
@@ -233,9 +225,6 @@ class Engine:
     def _draft_proposals(self, r: Running) -> list[int]:
         """n-gram guesses for a draft step: never past the round's horizon."""
         return r.proposals(min(self.config.ngram, r.horizon - len(r.drafts) - 1))
-
-    def _drafting(self, r: Running) -> bool:
-        return len(r.drafts) < r.horizon and not (r.drafts and r.drafts[-1] in self.eos)
 
     def _each(self, requests: list[Running], values: Sequence, work: Callable) -> None:
         """`work(r, value)` for each request still running; an error fails that one alone."""
@@ -307,6 +296,19 @@ class Engine:
             )
         stats["batch_steps"] = int(self.stats.steps - r.at_admission.steps)
         return GenerationResult(tokens=r.out, stop_reason=r.stop_reason or "length", stats=stats)
+
+
+def _first_token(r: Running, logits: torch.Tensor, prefill_s: float) -> None:
+    """A prefilled request: its first token, and its draft tail mirrors its exact one."""
+    r.start(prefill_s)
+    r.emit([r.sampler.choose(logits[-1], 0)])
+    if r.draft is not None:
+        r.draft.copy_tail(r.tail, 0, len(r.tail))
+
+
+def _drafting(r: Running, eos: frozenset[int]) -> bool:
+    """Whether the request's round still drafts (not at its horizon, no end token drafted)."""
+    return len(r.drafts) < r.horizon and not (r.drafts and r.drafts[-1] in eos)
 
 
 __all__ = ["Cancelled", "Engine"]
