@@ -42,9 +42,10 @@ demo: install
 # it runs with `make test-all`; `make test` (CI) runs SnapKV's full matrix and the rest,
 # including the `multihost` tests (root: real hosts in network namespaces; they skip,
 # saying why, without root).
-# Two workers (pytest-xdist): the Ray/deployment tests (`cluster`) on one, in order, and
-# every other module on either (tests/conftest.py); TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs two pytest-xdist workers: the Ray/deployment tests (`cluster`) on one,
+# in order, every other module on either (tests/conftest.py). One process by default: on 2
+# cores the engine's losslessness tests beside a Ray deployment ran past their timeout.
+TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 test: install
