@@ -19,6 +19,8 @@ import ast
 import sys
 from pathlib import Path
 
+from tools.lint import report
+
 PACKAGES = ("decoder", "prefix_store", "cluster", "rpc", "numerics")
 """The top-level packages checked (those that exist)."""
 MAX_LINES = 300
@@ -60,11 +62,7 @@ def findings(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    lines = findings(Path(args[0]) if args else Path.cwd())
-    for line in lines:
-        print(line)
-    return 1 if lines else 0
+    return report.main(findings, argv)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.lint import report
+
 PACKAGES = ("decoder", "prefix_store", "cluster", "rpc", "numerics")
 """The top-level packages whose code is compared (those that exist)."""
 WINDOW = 6
@@ -150,11 +152,7 @@ def _describe(files: dict[str, list[Line]], run: tuple[str, int, str, int, int])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    lines = findings(Path(args[0]) if args else Path.cwd())
-    for line in lines:
-        print(line)
-    return 1 if lines else 0
+    return report.main(findings, argv)
 
 
 if __name__ == "__main__":

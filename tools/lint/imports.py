@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.lint import report
+
 PACKAGES = ("decoder", "prefix_store", "cluster", "rpc", "numerics")
 """The top-level packages whose modules form the graph (those that exist)."""
 
@@ -264,11 +266,7 @@ def findings(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    lines = findings(Path(args[0]) if args else Path.cwd())
-    for line in lines:
-        print(line)
-    return 1 if lines else 0
+    return report.main(findings, argv)
 
 
 if __name__ == "__main__":
