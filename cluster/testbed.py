@@ -428,7 +428,8 @@ class LocalCluster:
 
     The hosts share this machine's disk, so the rendered config points them at `checkout`
     (installed already: its `make install` setup command is a no-op) instead of syncing a
-    copy; every other command of the config runs as written, with the hosts' addresses."""
+    copy; every other command of the config runs as written, with the hosts' addresses
+    (and `partition_s`, where given, as every node's `--partition-s`)."""
 
     def __init__(
         self,
@@ -438,8 +439,10 @@ class LocalCluster:
         storage: Sequence[str],
         decoder: Sequence[str] = (),
         object_store_bytes: int = 200_000_000,
+        partition_s: float | None = None,
     ) -> None:
         self.bed, self.checkout = bed, Path(checkout)
+        self.partition_s = partition_s
         self.head, self.workers = head, [*storage, *decoder]
         self.storage, self.decoder = list(storage), list(decoder)
         self.object_store_bytes = object_store_bytes
@@ -463,7 +466,8 @@ class LocalCluster:
             if self.decoder
             else "",
             r"vericache node start": "vericache node start --object-store-bytes "
-            f"{self.object_store_bytes}",
+            f"{self.object_store_bytes}"
+            + (f" --partition-s {self.partition_s:g}" if self.partition_s else ""),
             r"~/vericache|\$HOME/vericache": str(self.checkout),
         }
         for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):

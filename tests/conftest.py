@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
+
+# The suite runs several torch processes at once on few cores: the test process, its
+# deployments' actors and servers, and other xdist workers. OpenMP's default wait policy
+# spins each idle thread on its core, so two 2-thread processes on 2 cores decoded 13x
+# slower than one alone (53 s against 4 s for 48 tokens); threads that sleep while they
+# wait take 6.8 s for both (one alone: 9% slower than spinning). Set before torch loads
+# (this module is imported first), and inherited by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_collection_finish(session):
@@ -18,15 +27,21 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """How `make test` shares its workers (pytest-xdist, `--dist loadgroup`): every test
-    that needs Ray or a deployment (`cluster`) runs on one worker, in collection order (one
-    Ray per process; the testbeds' namespaces and the shared deployment are one at a time),
-    and each other module's tests run together on one worker (its module fixtures start
-    once). Without xdist the mark does nothing."""
+    """How `make test` shares its workers (pytest-xdist, `--dist loadgroup`): the tests on
+    the multi-host testbed (`multihost`: hosts in network namespaces, with their own Ray)
+    run on one worker in collection order; every other test that needs Ray or a deployment
+    (`cluster`) on one worker, in collection order (one Ray per process, and the package's
+    shared deployment runs last); each other module's tests together on one worker (its
+    module fixtures start once). Without xdist the mark does nothing."""
     for item in items:
-        cluster = item.get_closest_marker("cluster") is not None
-        group = "cluster" if cluster else item.nodeid.partition("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+
+
+def xdist_group(item: pytest.Item) -> str:
+    for marker in ("multihost", "cluster"):
+        if item.get_closest_marker(marker) is not None:
+            return marker
+    return item.nodeid.partition("::")[0]
 
 
 @pytest.fixture(autouse=True)

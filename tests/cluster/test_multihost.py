@@ -30,6 +30,9 @@ pytestmark = [pytest.mark.multihost, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ("head", "storage1", "storage2", "decoder1")
 NEW = 24
+PARTITION_S = 30
+"""Every node's `--partition-s` (the default is 60): how long a cut-off host keeps its Ray
+node. The link-down test keeps its cut shorter; `ray down` waits for it on the workers."""
 SERVE = (
     "vericache serve --address auto --detach --host 0.0.0.0 --shards 2 --decoders 1 "
     "--port 7000 --data-port 7100 --decoder-port 7200 --redis-port 6380 "
@@ -57,7 +60,12 @@ def cluster(testbed):
     """`ray up` (cluster/local.yaml), then the service deployed with `ray exec ...
     serve --detach`; `ray down` at the end. Yields (cluster, store endpoints, decoder)."""
     ray_cluster = LocalCluster(
-        testbed, ROOT, head="head", storage=["storage1", "storage2"], decoder=["decoder1"]
+        testbed,
+        ROOT,
+        head="head",
+        storage=["storage1", "storage2"],
+        decoder=["decoder1"],
+        partition_s=PARTITION_S,
     )
     try:
         ray_cluster.up()
@@ -165,15 +173,21 @@ def test_storage_link_down_mid_request_replica_then_rejoin(
         got: list[int] = []
         reply = GenerateReply()
         cut = threading.Event()
+        cut_at = 0.0
         try:
             for piece in client.stream(token_ids=prompt, max_new_tokens=48, horizon=2, reply=reply):
                 got.extend(piece.tokens)
                 if len(got) >= 4 and not cut.is_set():
                     storage1.link(False)  # packets dropped, nothing reset
+                    cut_at = time.monotonic()
                     cut.set()
         finally:
             storage1.link(True)
-        assert cut.is_set() and reply.tokens == want and got == want
+            cut_s = time.monotonic() - cut_at
+        assert cut.is_set()
+        # the cut must end before Ray gives storage1 up: otherwise its shard is gone, not back
+        assert cut_s < PARTITION_S, f"the link was down {cut_s:.0f} s"
+        assert reply.tokens == want and got == want
         assert reply.stats["recomputed"] is False  # the replica served it
 
         deadline = time.monotonic() + 90
@@ -273,12 +287,12 @@ def ray_processes(host) -> str:
 def test_ray_down_leaves_nothing_running(testbed, cluster):
     """`ray down` with the local provider runs `ray stop` on the head only (Ray 2.60); each
     worker's raylet exits, with its actors, once it has lost the head for `vericache node
-    start --partition-s` (60 s). Then nothing of Ray, Redis or the service is left."""
+    start --partition-s` (PARTITION_S). Then nothing of Ray, Redis or the service is left."""
     ray_cluster, _, _ = cluster
     assert "stopped" in ray_cluster.exec("vericache stop")  # the service first, Ray stays
     ray_cluster.down()
     assert ray_processes(testbed.hosts["head"]).strip() == ""
-    deadline = time.monotonic() + 300  # 60 s of partition, then shutdown (~130 s seen)
+    deadline = time.monotonic() + 300  # the partition, then shutdown (~130 s seen for 60 s)
     for host in testbed.hosts.values():
         while left := ray_processes(host).strip():
             assert time.monotonic() < deadline, f"{host.name} still runs: {left[:300]}"
