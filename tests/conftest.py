@@ -26,24 +26,6 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """How `make test` shares its workers (pytest-xdist, `--dist loadgroup`): the tests on
-    the multi-host testbed (`multihost`: hosts in network namespaces, with their own Ray)
-    run on one worker in collection order; every other test that needs Ray or a deployment
-    (`cluster`) on one worker, in collection order (one Ray per process, and the package's
-    shared deployment runs last); each other module's tests together on one worker (its
-    module fixtures start once). Without xdist the mark does nothing."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-
-
-def xdist_group(item: pytest.Item) -> str:
-    for marker in ("multihost", "cluster"):
-        if item.get_closest_marker(marker) is not None:
-            return marker
-    return item.nodeid.partition("::")[0]
-
-
 @pytest.fixture(autouse=True)
 def _collect_cycles():
     """A test's servers and workers (each with a model runner of ~1 GB, in reference cycles

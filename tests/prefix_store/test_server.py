@@ -267,11 +267,17 @@ def test_redis_restart_shards_reregister_and_nothing_stored_is_lost(store, metad
         redis_server.restart()  # tenants persist (append-only file) ...
         soft = metadata.redis.keys("vc:shard:*") + metadata.redis.keys("vc:usage:*")
         metadata.redis.delete(*soft)  # ... and soft state lost with Redis is re-sent
+        want_usage = 2 * LAYOUT.chunk_bytes(40)
+
+        def reregistered() -> bool:  # each shard re-sends on its own heartbeat
+            shards = {s.shard_id for s in metadata.shards()}
+            return shards == {"shard-0", "shard-1"} and metadata.usage().get("alice") == want_usage
+
         deadline = time.monotonic() + 10
-        while "alice" not in metadata.usage() and time.monotonic() < deadline:
+        while not reregistered() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert {s.shard_id for s in metadata.shards()} == {"shard-0", "shard-1"}
-        assert metadata.usage()["alice"] == 2 * LAYOUT.chunk_bytes(40)
+        assert metadata.usage()["alice"] == want_usage
         client.describe()
         prefix = client.lookup(TOKENS, LAYOUT)
         assert prefix.tokens == 40
