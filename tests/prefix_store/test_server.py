@@ -16,6 +16,7 @@ from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store.errors import NotFound, QuotaExceeded
 from tests.prefix_store.conftest import LAYOUT, random_kv
+from tests.waiting import eventually
 
 TOKENS = list(range(500, 540))  # 16 + 16 + 8 tokens
 
@@ -273,9 +274,7 @@ def test_redis_restart_shards_reregister_and_nothing_stored_is_lost(store, metad
             shards = {s.shard_id for s in metadata.shards()}
             return shards == {"shard-0", "shard-1"} and metadata.usage().get("alice") == want_usage
 
-        deadline = time.monotonic() + 10
-        while not reregistered() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        eventually(reregistered, timeout_s=10, every_s=0.1)
         assert {s.shard_id for s in metadata.shards()} == {"shard-0", "shard-1"}
         assert metadata.usage()["alice"] == want_usage
         client.describe()
