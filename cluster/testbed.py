@@ -43,7 +43,15 @@ SSH_OPTIONS = (
 
 
 class TestbedUnavailable(RuntimeError):
-    """This machine cannot build hosts (not root, no namespaces, packages missing)."""
+    """Hosts could not be built here: a setup step failed (a tool missing, packages that did
+    not install, no free subnet). A fault to fix, unlike its subclass `TestbedUnsupported`."""
+
+    __test__ = False
+
+
+class TestbedUnsupported(TestbedUnavailable):
+    """This machine cannot build hosts at all: the process is not root, or it cannot create
+    network namespaces (an unprivileged container). The only reason to skip the hosts."""
 
     __test__ = False
 
@@ -312,16 +320,18 @@ def carried(paths, tmp: Path, home: Path) -> list[tuple[Path, Path]]:
 
 
 def check_machine() -> None:
-    """Raise TestbedUnavailable with the reason when hosts cannot be built here."""
+    """Raise, with the reason, when hosts cannot be built here: TestbedUnsupported when the
+    machine cannot (not root, no network namespaces), TestbedUnavailable when a tool is
+    missing or the packages do not install."""
     if os.geteuid() != 0:
-        raise TestbedUnavailable("needs root (network and mount namespaces)")
+        raise TestbedUnsupported("not root (hosts need network and mount namespaces)")
     for tool in ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen"):
         if shutil.which(tool) is None:
             raise TestbedUnavailable(f"`{tool}` is not installed")
     probe = f"vcprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
-        raise TestbedUnavailable(f"cannot create network namespaces: {made.stderr.strip()}")
+        raise TestbedUnsupported(f"no network namespaces: {made.stderr.strip()}")
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     install_packages()
 

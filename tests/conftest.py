@@ -26,6 +26,24 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def require_fused_kernel() -> None:
+    """The gate of tests marked `fused_kernel`: skip, saying why, where this process is not
+    meant to run the fused exact-attention kernel (a CPU without AVX2/FMA, or
+    VERICACHE_EXACT_KERNEL=torch); fail where it is but the kernel did not load (a failed
+    build is a fault to see, never a skip)."""
+    from numerics.cpu import fused
+
+    if reason := fused.unsupported_reason():
+        pytest.skip(f"needs the fused exact-attention kernel: {reason}")
+    if reason := fused.missing_kernel_reason():
+        pytest.fail(reason, pytrace=False)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("fused_kernel"):
+        require_fused_kernel()
+
+
 @pytest.fixture(autouse=True)
 def _collect_cycles():
     """A test's servers and workers (each with a model runner of ~1 GB, in reference cycles

@@ -10,7 +10,9 @@ When the kernel cannot be used (the CPU lacks AVX2/FMA, the build fails, or
 `VERICACHE_EXACT_KERNEL=torch`), `module()` returns None after one warning and exact mode
 runs the torch implementation in `numerics.cpu.forward`. The two give different bits, so the
 kernel in use is part of the identity of the exact KV a decoder stores and looks up
-(`numerics.cpu.forward.exact_kernel_id`).
+(`numerics.cpu.forward.exact_kernel_id`). Of those three causes only the first and last are
+expected: a failed build on a CPU that supports the kernel is an installation fault, which
+`install()` (`make install`) and `missing_kernel_reason()` (the test suite's guard) report.
 
 It lives in `numerics`, beside the decoder's other kernels, because shards run it too:
 near-data attention (`numerics.cpu.partials`) computes attention partials over stored chunks
@@ -42,8 +44,11 @@ ENV = "VERICACHE_EXACT_KERNEL"
 """`torch` forces the torch implementation; `fused` (or unset) uses the fused kernel
 when it can be built and loaded."""
 
+UNSUPPORTED_CPU = "this machine is not x86-64 Linux with AVX2 and FMA"
+
 _lock = threading.Lock()
-_loaded: dict[str, ModuleType | None] = {}
+_loaded: dict[str, ModuleType | str | None] = {}
+"""This process's decision: "module" (the extension or None) and, after a failure, "error"."""
 
 
 def source_digest() -> str:
@@ -93,12 +98,68 @@ def wanted() -> bool:
     return choice == "fused"
 
 
+def unsupported_reason() -> str | None:
+    """Why this process is not meant to run the fused kernel, else None.
+
+    Not meant to: the CPU cannot run it (`cpu_supported()` is False), or
+    VERICACHE_EXACT_KERNEL=torch asks for the torch implementation. Anywhere else the kernel
+    must load, and `missing_kernel_reason()` says why it did not.
+    """
+    if not cpu_supported():
+        return UNSUPPORTED_CPU
+    if not wanted():
+        return f"{ENV}=torch asks for the torch implementation"
+    return None
+
+
+def missing_kernel_reason() -> str | None:
+    """Why the fused kernel is not loaded where it should be, else None.
+
+    None when this process runs the kernel, and when it is not meant to
+    (`unsupported_reason()`). Otherwise the kernel failed to build or load on a CPU that
+    supports it: an installation fault, not a platform limit, named with the failure.
+    Decides `module()` first when this process has not yet.
+    """
+    if unsupported_reason() is not None or module() is not None:
+        return None
+    error = _loaded.get("error") or "no error recorded"
+    return f"the fused exact-attention kernel did not load on a CPU that supports it: {error}"
+
+
+def install() -> int:
+    """`make install`'s step: build the kernel where the CPU can run it; an exit status.
+
+    0 when it is built, and when the CPU cannot run it (said in one line: exact mode then
+    runs the torch implementation); 1 when the build fails on a CPU that supports it (the
+    compiler's output, then a one-line error naming its last line, on stderr).
+    """
+    if not cpu_supported():
+        print(
+            f"fused exact-attention kernel not built: {UNSUPPORTED_CPU}; exact mode runs "
+            "the slower torch implementation"
+        )
+        return 0
+    try:
+        path = build().__file__
+    except Exception as exc:  # noqa: BLE001 - any failure is reported, then fails the install
+        if "\n" in str(exc).strip():
+            print(str(exc).strip(), file=sys.stderr)  # the compiler's output
+        print(
+            "error: the fused exact-attention kernel did not build on a CPU that supports it: "
+            + _last_line(exc),
+            file=sys.stderr,
+        )
+        return 1
+    print("fused exact-attention kernel ready:", path)
+    return 0
+
+
 def build(verbose: bool = False) -> ModuleType:
     """Compile (if needed) and import the extension; raises when that fails."""
     from torch.utils.cpp_extension import load
 
     if not cpu_supported():
-        raise RuntimeError("the fused exact-attention kernel needs an x86-64 CPU with AVX2/FMA")
+        raise RuntimeError(f"the fused exact-attention kernel cannot run: {UNSUPPORTED_CPU}")
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     return load(
@@ -121,13 +182,20 @@ def module() -> ModuleType | None:
         return _loaded["module"]
 
 
+def _last_line(exc: BaseException) -> str:
+    """The last line of an exception's message (a compiler's summary), else its type."""
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
 def _load_or_warn() -> ModuleType | None:
+    """The extension, or None after one warning (the failure kept as _loaded["error"])."""
     if not wanted():
         return None
     try:
         return _import_prebuilt() or build()
     except Exception as exc:  # noqa: BLE001 - any failure means: use the torch kernel
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        reason = _loaded["error"] = _last_line(exc)
         warnings.warn(
             f"fused exact-attention kernel unavailable ({reason}); exact mode uses the "
             "slower torch implementation",

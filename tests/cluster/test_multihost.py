@@ -1,7 +1,9 @@
 """The service deployed with `ray up` onto real hosts: network namespaces on this machine,
 each with its own address, SSH server, processes, /tmp and home (cluster/testbed.py), from
 cluster/local.yaml as an operator would use it (see `LocalCluster` for the one
-difference). Needs root: runs in CI; skips with the reason elsewhere."""
+difference). Needs root: runs in CI. Skips, saying which, only without root or network
+namespaces (`TestbedUnsupported`); any other failure to build the hosts (a missing tool,
+apt-get, no free subnet) fails."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.testbed import LocalCluster, Testbed, TestbedConfig, TestbedUnavailable
+from cluster.testbed import LocalCluster, Testbed, TestbedConfig, TestbedUnsupported
 from decoder.generate import generate_full
 from decoder.loader import default_cache_dir
 from decoder.service.client import DecoderClient, GenerateReply
@@ -45,7 +47,7 @@ def testbed():
     bed = Testbed(TestbedConfig(hosts=HOSTS, carry=(ROOT, default_cache_dir())))
     try:
         bed.start()
-    except TestbedUnavailable as reason:
+    except TestbedUnsupported as reason:
         bed.close()
         pytest.skip(f"multi-host tests need root and network namespaces: {reason}")
     except BaseException:

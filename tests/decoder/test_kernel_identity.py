@@ -11,7 +11,7 @@ import pytest
 from decoder.config import ModelConfig
 from decoder.store_source import kv_layout
 from numerics.cpu import fused as fused_ext
-from numerics.cpu.forward import TORCH_KERNEL_ID, exact_kernel_id, fused_kernel
+from numerics.cpu.forward import TORCH_KERNEL_ID, exact_kernel_id
 from prefix_store.keys import chunk_keys
 from tests.prefix_store.conftest import Store, random_kv
 
@@ -26,9 +26,7 @@ CONFIG = ModelConfig(
 )
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
 
-pytestmark = pytest.mark.skipif(
-    fused_kernel(CONFIG.head_dim) is None, reason="the fused kernel is unavailable here"
-)
+pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
 
 def torch_kernel_layout(monkeypatch):

@@ -22,12 +22,9 @@ from numerics.cpu.forward import (
     attend_chunks,
     exact_attention,
     exact_kernel_id,
-    fused_kernel,
 )
 
-pytestmark = pytest.mark.skipif(
-    fused_kernel(64) is None, reason="the fused kernel is unavailable on this machine"
-)
+pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
 # (heads, kv_heads, head_dim, key_chunk): GQA groups of 3 and 4, MQA, MHA, odd head sizes.
 SHAPES = [(9, 3, 64, 256), (8, 2, 16, 32), (8, 1, 32, 32), (3, 3, 72, 64), (4, 2, 64, 32)]

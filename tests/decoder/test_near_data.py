@@ -14,10 +14,9 @@ from decoder.generate import generate_full
 from decoder.near_data import NearData
 from decoder.sampling import SamplingParams
 from decoder.store_source import StoreKVSource, kv_layout, publish_source
-from numerics.cpu.partials import available
 from tests.prefix_store.conftest import Store
 
-pytestmark = pytest.mark.skipif(not available(), reason="near-data attention needs the kernel")
+pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
 NEW_TOKENS = 20
 GREEDY = SamplingParams()

@@ -12,13 +12,10 @@ from decoder.kv_cache import KVCache, LayerKV
 from decoder.runner import ModelRunner, SeqInput
 from decoder.views import SharedPrefixView
 from decoder.weights import random_weights
-from numerics.cpu.forward import fused_kernel
 from numerics.cpu.partials import chunk_partials
 from tests.decoder.test_shared_prefix_attention import CHUNK, CONFIG, tokens
 
-pytestmark = pytest.mark.skipif(
-    fused_kernel(CONFIG.head_dim) is None, reason="near-data attention needs the fused kernel"
-)
+pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from decoder.kv_cache import KVCache
 from decoder.runner import ModelRunner, SeqInput
 from decoder.views import SharedPrefixView
 from decoder.weights import random_weights
-from numerics.cpu.forward import fused_kernel
 
 CONFIG = ModelConfig(
     vocab_size=400,
@@ -28,9 +27,7 @@ CONFIG = ModelConfig(
 )
 CHUNK = 32
 
-pytestmark = pytest.mark.skipif(
-    fused_kernel(CONFIG.head_dim) is None, reason="shared-prefix attention needs the fused kernel"
-)
+pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
 
 @pytest.fixture(scope="module")

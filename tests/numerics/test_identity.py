@@ -23,7 +23,7 @@ def test_the_source_digest_is_pinned():
     assert fused.source_digest() == SOURCE_DIGEST
 
 
-@pytest.mark.skipif(not partials.available(), reason="needs the fused exact-attention kernel")
+@pytest.mark.fused_kernel
 def test_the_exact_kernel_id_names_the_pinned_digest():
     assert exact_kernel_id(64) == f"fused-avx2-{SOURCE_DIGEST[:12]}"
 
@@ -37,7 +37,7 @@ def test_identity_is_the_same_wherever_the_source_lives(tmp_path, monkeypatch):
     assert (fused.source_digest(), fused.module_name(), exact_kernel_id(64)) == before
 
 
-@pytest.mark.skipif(not partials.available(), reason="needs the fused exact-attention kernel")
+@pytest.mark.fused_kernel
 def test_the_fingerprint_is_the_same_wherever_the_source_lives(tmp_path, monkeypatch):
     before = partials.kernel_fingerprint()
     moved = tmp_path / "renamed.cpp"

@@ -13,11 +13,10 @@ import pytest
 from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
-from numerics.cpu.partials import available
 from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
 
-pytestmark = pytest.mark.skipif(not available(), reason="near-data attention needs the kernel")
+pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
 NEW = 16
 
