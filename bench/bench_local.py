@@ -170,9 +170,20 @@ def runs_per_case(args) -> int:
     return 1 + (1 if args.ngram else 0) + per_spec * len(args.compressors) + len(args.horizons)
 
 
+def _compared(mode: str, res: dict, full: dict) -> tuple[bool | None, int | None]:
+    """(identical to the full-KV reference, first token where a reply diverges): (None,
+    None) for the reference itself, which is never compared with itself."""
+    if mode == "full":
+        return None, None
+    if res["tokens"] == full["tokens"]:
+        return True, None
+    pairs = zip(res["tokens"], full["tokens"], strict=True)
+    return False, min(d for d in (first_divergence(a, b) for a, b in pairs) if d is not None)
+
+
 def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) -> dict:
     stats = res["stats"]
-    identical = res["tokens"] == full["tokens"]
+    identical, divergence = _compared(mode, res, full)
     row = {
         "context": context,
         "batch": batch,
@@ -185,18 +196,7 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
         "tok_s": round(res["tok_s"], 3),
         "vs_full": round(res["tok_s"] / full["tok_s"], 3),
         "identical": identical,
-        "first_divergence": (
-            None
-            if identical
-            else min(
-                d
-                for d in (
-                    first_divergence(a, b)
-                    for a, b in zip(res["tokens"], full["tokens"], strict=True)
-                )
-                if d is not None
-            )
-        ),
+        "first_divergence": divergence,
         "step_ms": round(1000 * res["step_s"], 2),  # vericache: mean draft step
         "prefix_prefill_s": round(prefill_s, 2),
         "compressed_bytes": stats.get("compressed_bytes"),
@@ -249,20 +249,23 @@ COLUMNS = [
 ]
 
 
+def _cell(row: dict, key: str) -> str:
+    """A column's text: `identical` as "reference" (the full-KV row), "yes" or "no"; a
+    missing value as "-"."""
+    value = row.get(key)
+    if key == "identical":
+        return "reference" if value is None else ("yes" if value else "no")
+    return "-" if value is None else str(value)
+
+
 def _print(row: dict) -> None:
-    note("  " + "  ".join(f"{title}={row.get(key, '-')}" for key, title in COLUMNS))
+    note("  " + "  ".join(f"{title}={_cell(row, key)}" for key, title in COLUMNS))
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(t for _, t in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = []
-        for key, _ in COLUMNS:
-            value = row.get(key)
-            if key == "identical":
-                value = "yes" if value else "no"
-            cells.append("-" if value is None else str(value))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cell(row, key) for key, _ in COLUMNS) + " |")
     return "\n".join(lines)
 
 

@@ -204,19 +204,10 @@ def _report(runs: list[ModeRun], work, config: DemoConfig) -> None:
         verifications = sum(r.stats.get("verifications", 0) for r in run.replies)
         accepted = sum(r.stats.get("accepted", 0) for r in run.replies)
         acc = f"{accepted / verifications:.2f}" if verifications else "-"
-        same = [r.tokens == f.tokens for r, f in zip(run.replies, full.replies, strict=True)]
-        verdict = f"{sum(same)}/{len(same)}"
-        if not all(same):
-            where = [
-                _diverges(r.tokens, f.tokens)
-                for r, f, ok in zip(run.replies, full.replies, same, strict=True)
-                if not ok
-            ]
-            verdict += " (diverged at token " + ", ".join(str(w) for w in where) + ")"
         print(
             f"{run.mode:10s} {rate:7.2f} {rate / full_rate:7.2f}x "
             f"{statistics.median(run.latencies):7.1f} {_pct(run.latencies, 0.95):7.1f} "
-            f"{acc:>9s} {_human(pulled):>11s}  {verdict}"
+            f"{acc:>9s} {_human(pulled):>11s}  {_identical_to_full(run, full)}"
         )
     served = Counter(r.stats.get("worker", "?") for run in runs for r in run.replies)
     print("\nserved by (through the router, by prefix affinity): " + ", ".join(
@@ -228,6 +219,20 @@ def _report(runs: list[ModeRun], work, config: DemoConfig) -> None:
         "(about 6 minutes on 2 cores); make bench-remote for the full comparison."
     )
     sys.stdout.flush()
+
+
+def _identical_to_full(run: ModeRun, full: ModeRun) -> str:
+    """The table's last cell: "reference" for the full run itself (never compared with
+    itself); else how many replies equal full's token for token ("2/3"), and where the
+    others diverged."""
+    if run is full:
+        return "reference"
+    pairs = list(zip(run.replies, full.replies, strict=True))
+    where = [_diverges(r.tokens, f.tokens) for r, f in pairs if r.tokens != f.tokens]
+    verdict = f"{len(pairs) - len(where)}/{len(pairs)}"
+    if where:
+        verdict += " (diverged at token " + ", ".join(str(w) for w in where) + ")"
+    return verdict
 
 
 def _diverges(a: list[int], b: list[int]) -> int:
