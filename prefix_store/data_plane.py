@@ -121,10 +121,10 @@ class DataPlane:
     Bounded (see `DataPlaneLimits`): tickets and connections by fair share among tenants
     (`prefix_store.shares`), connections not yet redeemed per peer address and by a short
     handshake deadline, idle time and each transfer's duration. The accept loop survives
-    every error (e.g. EMFILE: it backs off and goes on) and ends only at `stop`. A ticket
-    is redeemable only from the address it was issued to. `tls`: a server-side context
-    (`prefix_store.tls.server_context`) every connection must complete a handshake with
-    before anything else; None: plain TCP."""
+    every error (e.g. EMFILE: it backs off and goes on; `accept_errors` counts them) and
+    ends only at `stop`. A ticket is redeemable only from the address it was issued to.
+    `tls`: a server-side context (`prefix_store.tls.server_context`) every connection must
+    complete a handshake with before anything else; None: plain TCP."""
 
     def __init__(
         self,
@@ -154,6 +154,9 @@ class DataPlane:
         self._pending: dict[str, dict[int, tuple[socket.socket, list[str]]]] = {}
         """Per peer address, its connections not yet redeemed, oldest first: (the socket,
         the opening slot it holds: [peer] until settled, then [])."""
+        self.accept_errors = 0
+        """accept() calls that failed (EMFILE, ENFILE, ENOBUFS...) while listening: each was
+        logged, backed off from and retried. Written by the accept thread only."""
         self._thread = threading.Thread(target=self._accept, name="data-plane", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name="ticket-reaper", daemon=True)
 
@@ -222,6 +225,7 @@ class DataPlane:
             except OSError as error:
                 if self._stopped.is_set():
                     return
+                self.accept_errors += 1
                 log.warning("data plane: accept failed (%s); retrying in %.2f s", error, backoff)
                 self._stopped.wait(backoff)
                 backoff = min(1.0, backoff * 2)

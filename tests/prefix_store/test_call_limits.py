@@ -35,10 +35,13 @@ def describe(address: str, token: str) -> grpc.StatusCode:
 
 
 def settled(calls, held, count: int) -> None:
-    """Wait until `count` of the calls are either refused (done) or held by the server."""
-    deadline = time.monotonic() + 10
-    while sum(c.done() for c in calls) + held() < count and time.monotonic() < deadline:
-        time.sleep(0.01)
+    """Wait until `count` of the calls are either refused (done) or held by the server
+    (`held()`); fails after 10 s."""
+
+    def settle() -> int:
+        return sum(c.done() for c in calls) + held()
+
+    assert eventually(lambda: settle() >= count), f"only {settle()} of {count} calls settled"
 
 
 def idle_puts(address: str, token: str, count: int, release: threading.Event):

@@ -20,6 +20,7 @@ from prefix_store.config import DataPlaneLimits
 from prefix_store.data_plane import DataPlane
 from prefix_store.errors import LimitExceeded
 from prefix_store.protocol.frames import HEADER, read_error, redemption, token_key
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -64,21 +65,39 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     return True
 
 
+def fill_descriptor_table() -> list[int]:
+    """Open /dev/null until the process has no file descriptor left (EMFILE); the caller
+    closes what it returns."""
+    filled: list[int] = []
+    with contextlib.suppress(OSError):
+        while True:
+            filled.append(os.open(os.devnull, os.O_RDONLY))
+    return filled
+
+
 def test_the_accept_loop_survives_running_out_of_file_descriptors(plane_with):
+    """A connection waits in the listen backlog while the process has no descriptor left:
+    the plane's accept() fails with EMFILE (counted), it backs off, and it accepts and
+    answers that connection once descriptors are free again."""
     plane = plane_with()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    opened: list[socket.socket] = []
+    waiting = socket.socket()  # its descriptor taken before the table fills
+    filled: list[int] = []
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
     try:
-        with contextlib.suppress(OSError):
-            for _ in range(64):
-                opened.append(socket.create_connection(("127.0.0.1", plane.port), timeout=1))
-        time.sleep(0.5)  # the plane's accept() meets EMFILE meanwhile
+        filled = fill_descriptor_table()
+        waiting.connect(("127.0.0.1", plane.port))  # the kernel completes it: backlogged
+        met = eventually(lambda: plane.accept_errors > 0, timeout_s=10)
     finally:
-        for sock in opened:
-            sock.close()
+        for fd in filled:
+            os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert len(opened) < 64, "the descriptor limit was never reached"
+    assert filled, "the descriptor table was never filled"
+    assert met, "the plane's accept() never met EMFILE"
+    with waiting:  # accepted once descriptors are free, and answered
+        waiting.settimeout(10)
+        waiting.sendall(b"x" * 48)
+        assert answer(waiting) == ("UNAVAILABLE", "unknown or expired ticket")
     with connect(plane) as sock:  # still accepting, still answering
         sock.sendall(b"x" * 48)
         assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
@@ -152,9 +171,7 @@ def test_a_tenant_holds_at_most_its_share_of_transfer_connections(plane_with):
     try:
         for sock, ticket in zip(socks[:2], tickets[:2], strict=True):
             sock.sendall(redemption(ticket, "any"))
-        deadline = time.monotonic() + 5
-        while len(running) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert eventually(lambda: len(running) >= 2, timeout_s=5)
         assert len(running) == 2  # alone: 4 less a newcomer's share
         socks[2].sendall(redemption(tickets[2], "any"))
         code, message = answer(socks[2])
@@ -182,9 +199,8 @@ def test_one_tenant_refreshing_tickets_cannot_take_them_all(plane_with):
     assert len(issued) == 4
     for name in ("victim", "another"):
         plane.issue(lambda conn: None, lambda: None, tenant=name)
-    deadline = time.monotonic() + 10  # they expire: the hog may ask again
-    while len(closed) < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # they expire (the reaper closes them): the hog may ask again
+    assert eventually(lambda: len(closed) >= 4, timeout_s=10)
     assert len(closed) == 4
     plane.issue(lambda conn: None, lambda: None, tenant="hog")
 
