@@ -3,14 +3,16 @@
 Verification-shaped calls of SmolLM2-135M's attention (9 query heads, 3 kv heads, head_dim
 64, fp32): a few query tokens at the end of a 4K or 8K context, as one layer of an exact
 pass sees them. The two implementations are timed interleaved (the machine may be shared)
-and the table reports medians of wall time per call and their ratio.
+and the table reports medians of wall time per call over `--repeats` (15) runs, with their
+range [min-max] (also under "spread" in the JSON, bench/stats.py), and the ratio of the
+medians.
 
 With --passes, also whole exact forward passes of the built-in model (30 layers): a
 verification of T tokens over a prefix of each context (its KV random: timing does not
 depend on the values), with either kernel. With --shared, exact passes of many requests
 over one prefix buffer (`SharedPrefixView`s), with the prefix attended once for all of them
 (one `prefix_id`) and per request (none): a verification of R x T tokens and a decode step
-of R x 1.
+of R x 1. Passes run max(3, repeats / 3) times.
 
 Usage: python bench/bench_attention.py [--contexts 4096 8192] [--tokens 1 4 8 16 32]
        [--repeats 15] [--threads N] [--passes] [--shared] [--requests 16]
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,10 +32,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stats import row_text, spread, spreads_json  # noqa: E402
 from decoder.progress import note, progress  # noqa: E402
 from numerics.cpu.forward import AttentionPlan, exact_attention, exact_kernel_id  # noqa: E402
 
 HEADS, KV_HEADS, DIM, CHUNK = 9, 3, 64, 256
+
+
+def timed_row(samples: dict[str, list[float]], digits: int) -> dict:
+    """From seconds per run of two implementations (slower one first): "<name>_ms", each
+    one's median ms rounded to `digits`; "speedup", the first's median over the second's;
+    and each one's range under "spread"."""
+    figures = {f"{name}_ms": spread(s).scaled(1e3) for name, s in samples.items()}
+    first, second = figures.values()
+    return {
+        **{key: round(figure.median, digits) for key, figure in figures.items()},
+        "speedup": round(first.median / second.median, 2),
+        "spread": spreads_json(figures),
+    }
 
 
 def _once(fn) -> float:
@@ -60,14 +75,7 @@ def bench_shape(context: int, tokens: int, repeats: int) -> dict:
     for _ in range(repeats):
         for name, plan in plans.items():
             samples[name].append(_once(lambda p=plan: exact_attention(q, keys, values, p)))
-    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
-    return {
-        "context": context,
-        "tokens": tokens,
-        "torch_ms": round(ms["torch"], 3),
-        "fused_ms": round(ms["fused"], 3),
-        "speedup": round(ms["torch"] / ms["fused"], 2),
-    }
+    return {"context": context, "tokens": tokens, **timed_row(samples, 3)}
 
 
 def bench_pass(runner, context: int, tokens: int, repeats: int) -> dict:
@@ -90,14 +98,7 @@ def bench_pass(runner, context: int, tokens: int, repeats: int) -> dict:
                 samples[name].append(_once(lambda s=seq: runner.forward([s])))
     finally:
         runner_module.fused_kernel = real
-    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
-    return {
-        "context": context,
-        "tokens": tokens,
-        "torch_ms": round(ms["torch"], 1),
-        "fused_ms": round(ms["fused"], 1),
-        "speedup": round(ms["torch"] / ms["fused"], 2),
-    }
+    return {"context": context, "tokens": tokens, **timed_row(samples, 1)}
 
 
 def bench_shared(runner, context: int, requests: int, tokens: int, repeats: int) -> dict:
@@ -122,15 +123,7 @@ def bench_shared(runner, context: int, requests: int, tokens: int, repeats: int)
                 for r in range(requests)
             ]
             samples[name].append(_once(lambda s=seqs: runner.forward(s)))
-    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
-    return {
-        "context": context,
-        "requests": requests,
-        "tokens": tokens,
-        "per_request_ms": round(ms["per_request"], 1),
-        "stacked_ms": round(ms["stacked"], 1),
-        "speedup": round(ms["per_request"] / ms["stacked"], 2),
-    }
+    return {"context": context, "requests": requests, "tokens": tokens, **timed_row(samples, 1)}
 
 
 def _random_cache(runner, context: int, extra: int):
@@ -166,11 +159,12 @@ def main() -> None:
             f"ctx {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
             f"fused {row['fused_ms']} ms ({row['speedup']}x)"
         )
-    print("\n| context | query tokens | torch ms | fused ms | speedup |\n|---|---|---|---|---|")
+    print(f"\nms per call: median [min-max] of {args.repeats} runs")
+    print("| context | query tokens | torch ms | fused ms | speedup |\n|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['context']} | {r['tokens']} | {r['torch_ms']} | {r['fused_ms']} | "
-            f"{r['speedup']}x |"
+            f"| {r['context']} | {r['tokens']} | {row_text(r, 'torch_ms', '.3f')} | "
+            f"{row_text(r, 'fused_ms', '.3f')} | {r['speedup']}x |"
         )
     passes = _passes(args) if args.passes else []
     shared = _shared(args) if args.shared else []
@@ -186,6 +180,11 @@ def main() -> None:
         json.dumps({"meta": meta, "rows": rows, "passes": passes, "shared": shared}, indent=2)
     )
     print(f"\nwrote {args.out}")
+
+
+def pass_repeats(args) -> int:
+    """Runs per whole-pass measurement (--passes, --shared): a third of --repeats, at least 3."""
+    return max(3, args.repeats // 3)
 
 
 def _shapes(args) -> list[tuple[int, int]]:
@@ -208,21 +207,23 @@ def _shared(args) -> list[dict]:
     rows = []
     shapes = [(context, tokens) for context in args.contexts for tokens in (4, 1)]
     for context, tokens in progress(shapes, desc="shared-prefix passes", unit="shape"):
-        row = bench_shared(runner, context, args.requests, tokens, max(3, args.repeats // 3))
+        row = bench_shared(runner, context, args.requests, tokens, pass_repeats(args))
         rows.append(row)
         note(
             f"{args.requests} requests x {tokens} tokens over one {context}-token prefix: "
             f"per request {row['per_request_ms']} ms, stacked {row['stacked_ms']} ms "
             f"({row['speedup']}x)"
         )
+    print(f"\nms per pass: median [min-max] of {pass_repeats(args)} runs")
     print(
-        "\n| prefix | requests x tokens | per request ms | stacked ms | speedup |"
+        "| prefix | requests x tokens | per request ms | stacked ms | speedup |"
         "\n|---|---|---|---|---|"
     )
     for r in rows:
         print(
-            f"| {r['context']} | {r['requests']} x {r['tokens']} | {r['per_request_ms']} | "
-            f"{r['stacked_ms']} | {r['speedup']}x |"
+            f"| {r['context']} | {r['requests']} x {r['tokens']} | "
+            f"{row_text(r, 'per_request_ms', '.1f')} | {row_text(r, 'stacked_ms', '.1f')} | "
+            f"{r['speedup']}x |"
         )
     return rows
 
@@ -231,19 +232,18 @@ def _passes(args) -> list[dict]:
     runner = _runner()
     rows = []
     for context, tokens in progress(_shapes(args), desc="exact passes", unit="shape"):
-        row = bench_pass(runner, context, tokens, max(3, args.repeats // 3))
+        row = bench_pass(runner, context, tokens, pass_repeats(args))
         rows.append(row)
         note(
             f"pass over {context} x {tokens} tokens: torch {row['torch_ms']} ms, "
             f"fused {row['fused_ms']} ms ({row['speedup']}x)"
         )
-    print(
-        "\n| context | tokens | exact pass, torch ms | fused ms | speedup |\n|---|---|---|---|---|"
-    )
+    print(f"\nms per pass: median [min-max] of {pass_repeats(args)} runs")
+    print("| context | tokens | exact pass, torch ms | fused ms | speedup |\n|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['context']} | {r['tokens']} | {r['torch_ms']} | {r['fused_ms']} | "
-            f"{r['speedup']}x |"
+            f"| {r['context']} | {r['tokens']} | {row_text(r, 'torch_ms', '.1f')} | "
+            f"{row_text(r, 'fused_ms', '.1f')} | {r['speedup']}x |"
         )
     return rows
 

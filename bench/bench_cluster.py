@@ -26,14 +26,16 @@ latency; accepted tokens per verification; bytes on the wire per generated token
 KV, plus near-data queries and partials); the near-data passes' wait per pass and the
 shards' compute within it; for pulls, the time pulling, the time passes stalled on it and
 "hidden": the share of pull time passes did not wait for (1 - stall / pull time). A raw
-fetch of the whole prefix KV measures each shaped link first. Times are medians over
-`--repeats` runs.
+fetch of the whole prefix KV measures each shaped link first (the median of three, with
+their range). Figures are medians over `--repeats` (3) runs; the table gives the range of
+tok/s over the runs ("min-max") and the JSON every figure's under "spread"
+(bench/stats.py).
 
 Besides the JSON it draws, beside it (bench/plots.py): `cluster-links.png` (tok/s vs the
 baseline against link speed, per mode), `cluster-bytes.png` (bytes on the wire per token)
 and `cluster-accepted.png` (accepted drafts per verification).
 
-Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 2]
+Needs root (namespaces, tc). Usage: python bench/bench_cluster.py [--repeats 3]
        [--links 1.2GB/s 1Gbit/s] [--out bench/results/cluster.json]
 """
 
@@ -58,10 +60,12 @@ from bench_remote import (  # noqa: E402
     _server,
     source_text,
     suffix,
+    tokens_per_s_range,
     write_results,
 )
 
 from bench import plots  # noqa: E402
+from bench.stats import DEFAULT_REPEATS, row_text, spread  # noqa: E402
 from cluster.testbed import LocalCluster, Testbed, TestbedConfig  # noqa: E402
 from decoder.loader import default_cache_dir, load_model  # noqa: E402
 from decoder.progress import note, progress  # noqa: E402
@@ -92,7 +96,7 @@ def main() -> int:
         "--modes", nargs="+", default=["full", "vericache", "vericache@pull", "vericache@near"]
     )
     ap.add_argument("--slow-modes", nargs="+", default=["full", "vericache", "vericache@near"])
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/cluster.json")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -192,7 +196,7 @@ def publish(stores, token, model, args, key: bytes) -> dict[str, list]:
 
 def probe(stores, token, model, prefix, link: str) -> dict:
     """A raw fetch of the whole prefix KV from both shards over the shaped link (the
-    median of three)."""
+    median of three, their range under "spread")."""
     import torch
 
     c = model.config
@@ -206,10 +210,12 @@ def probe(stores, token, model, prefix, link: str) -> dict:
             t = time.perf_counter()
             nbytes = client.fetch_layers(cached, k, v)
             times.append(time.perf_counter() - t)
+    rate = spread(nbytes / s / 1e9 for s in times)
     seconds = sorted(times)[1]
-    found = {"link": link, "bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
+    found = {"link": link, "bytes": nbytes, "seconds": seconds, "gb_per_s": rate.median,
+             "spread": {"gb_per_s": rate.to_json()}}  # fmt: skip
     note(f"{link}: whole-prefix fetch {nbytes / 1e6:.0f} MB in {seconds:.2f}s = "
-         f"{found['gb_per_s']:.2f} GB/s")  # fmt: skip
+         f"{rate.text()} GB/s")  # fmt: skip
     return found
 
 
@@ -221,9 +227,9 @@ def add_pull_columns(row: dict) -> None:
 
 
 HEADER = (
-    f"{'link':9s} {'workload':8s} {'mode':14s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
-    f"{'p95 s':>6s} {'acc/ver':>7s} {'wire/tok':>9s} {'wire ms':>7s} {'shard ms':>8s} "
-    f"{'pull s':>7s} {'stall s':>7s} {'hidden':>6s} identical"
+    f"{'link':9s} {'workload':8s} {'mode':14s} {'tok/s':>7s} {'min-max':>13s} {'vs full':>7s} "
+    f"{'p50 s':>6s} {'p95 s':>6s} {'acc/ver':>7s} {'wire/tok':>9s} {'wire ms':>7s} "
+    f"{'shard ms':>8s} {'pull s':>7s} {'stall s':>7s} {'hidden':>6s} identical"
 )
 
 
@@ -242,18 +248,20 @@ def fmt_row(row: dict) -> str:
     wire_text = f"{wire / 1e6:.1f}MB" if wire >= 1e5 else f"{wire / 1e3:.1f}KB"
     return (
         f"{row['link']:9s} {row['workload']:8s} {row['mode']:14s} {row['tokens_per_s']:7.2f} "
-        f"{ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} {acc:>7s} {wire_text:>9s} "
-        f"{wire_ms:>7s} {shard_ms:>8s} {pull} {stall} {hidden:>6s} "
+        f"{tokens_per_s_range(row):>13s} {ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} "
+        f"{acc:>7s} {wire_text:>9s} {wire_ms:>7s} {shard_ms:>8s} {pull} {stall} {hidden:>6s} "
         f"{row['identical'] or 'reference'}"
     )
 
 
 def print_tables(probes: list[dict], rows: list[dict]) -> None:
-    print("\nlink      whole-prefix fetch")
+    print("\nlink      whole-prefix fetch (median of 3 [min-max])")
     for p in probes:
         print(f"{p['link']:9s} {p['bytes'] / 1e6:.0f} MB in {p['seconds']:.2f}s = "
-              f"{p['gb_per_s']:.2f} GB/s")  # fmt: skip
-    print("\n" + HEADER)
+              f"{row_text(p, 'gb_per_s')} GB/s")  # fmt: skip
+    runs = sorted({row["runs"] for row in rows})
+    print(f"\nmedians of {'/'.join(map(str, runs))} runs; min-max: tok/s over the runs")
+    print(HEADER)
     print("-" * len(HEADER))
     for row in rows:
         print(fmt_row(row))

@@ -3,7 +3,8 @@
 For each context length the prompt (a real Python source file, tokenized) is prefilled
 once per engine; each batch row then continues from a copy of that prefix with its own
 next token, so rows decode different sequences at the same context. Timings are medians
-over repeats of a fixed number of decode steps, and the table reports ratios to
+over `--repeats` (3) runs of a fixed number of decode steps, with their range [min-max] in
+the tables and under "spread" in the JSON (bench/stats.py), and the table reports ratios to
 `transformers` measured in the same run. `transformers` runs its own `generate` on a
 prefilled `DynamicCache` (so its timed work is decode steps only). "fast" runs with the
 runner's default draft weights (`RunnerConfig.draft_weights`); a second table times fast
@@ -20,7 +21,6 @@ import argparse
 import inspect
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stats import DEFAULT_REPEATS, Spread, row_text, spread, spreads_json  # noqa: E402
 from decoder.config import DraftWeights, RunnerConfig  # noqa: E402
 from decoder.kv_cache import KVCache  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
@@ -47,8 +48,8 @@ def long_code_tokens(model, n: int) -> list[int]:
     return ids[:n]
 
 
-def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mode: str) -> float:
-    """Median seconds per decode step for `batch` rows continuing `prefix`."""
+def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mode: str) -> Spread:
+    """Seconds per decode step for `batch` rows continuing `prefix`, over `repeats` runs."""
     samples = []
     for _ in range(repeats):
         caches = [prefix.clone(extra_capacity=steps + 1) for _ in range(batch)]
@@ -60,22 +61,24 @@ def time_ours(runner, prefix: KVCache, batch: int, steps: int, repeats: int, mod
             )
             tokens = [[int(lg[-1].argmax())] for lg in logits]
         samples.append((time.perf_counter() - start) / steps)
-    return statistics.median(samples)
+    return spread(samples)
 
 
 def time_draft_weights(
     runners: dict[str, ModelRunner], prefix: KVCache, batch: int, steps: int, repeats: int
-) -> dict[str, float]:
-    """Median seconds per fast-mode decode step for each draft-weights runner, interleaved
-    (one repeat of each in turn, so that a noisy neighbour hits them alike)."""
+) -> dict[str, Spread]:
+    """Seconds per fast-mode decode step for each draft-weights runner over `repeats` runs,
+    interleaved (one run of each in turn, so that a noisy neighbour hits them alike)."""
     samples: dict[str, list[float]] = {kind: [] for kind in runners}
     for _ in range(repeats):
         for kind, runner in runners.items():
-            samples[kind].append(time_ours(runner, prefix, batch, steps, 1, "fast"))
-    return {kind: statistics.median(s) for kind, s in samples.items()}
+            samples[kind].append(time_ours(runner, prefix, batch, steps, 1, "fast").median)
+    return {kind: spread(s) for kind, s in samples.items()}
 
 
-def time_transformers(hf, prompt: list[int], batch: int, steps: int, repeats: int) -> float:
+def time_transformers(hf, prompt: list[int], batch: int, steps: int, repeats: int) -> Spread:
+    """Seconds per `generate` decode step for `batch` rows after `prompt`, over `repeats`
+    runs."""
     from transformers import DynamicCache
 
     with torch.no_grad():
@@ -97,7 +100,27 @@ def time_transformers(hf, prompt: list[int], batch: int, steps: int, repeats: in
             pad_token_id=0,
         )
         samples.append((time.perf_counter() - start) / steps)
-    return statistics.median(samples)
+    return spread(samples)
+
+
+def decode_row(context: int, batch: int, step: dict[str, Spread], drafts: dict[str, Spread]):
+    """A table row from seconds per step (exact, fast, transformers; fast per draft
+    weights): ms per step and per token (medians), speeds vs transformers (ratios of
+    medians), and each ms per token's range under "spread"."""
+    per_token = {f"{k}_ms_per_token": v.scaled(1e3 / batch) for k, v in step.items()}
+    per_token |= {f"draft_{k}_ms_per_token": v.scaled(1e3 / batch) for k, v in drafts.items()}
+    return {
+        "context": context,
+        "batch": batch,
+        **{f"{k}_ms_per_step": round(v.median * 1e3, 2) for k, v in step.items()},
+        **{f"{k}_ms_per_token": round(v.median * 1e3 / batch, 2) for k, v in step.items()},
+        "exact_vs_transformers": round(step["transformers"].median / step["exact"].median, 3),
+        "fast_vs_transformers": round(step["transformers"].median / step["fast"].median, 3),
+        "draft_weights_ms_per_token": {
+            kind: round(v.median * 1e3 / batch, 2) for kind, v in drafts.items()
+        },
+        "spread": spreads_json(per_token),
+    }
 
 
 def main() -> None:
@@ -105,7 +128,7 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     p.add_argument(
         "--draft-weights",
         nargs="*",
@@ -142,18 +165,8 @@ def main() -> None:
                 "fast": time_ours(runner, prefix, batch, args.steps, args.repeats, "fast"),
                 "transformers": time_transformers(hf, prompt, batch, args.steps, args.repeats),
             }
-            row = {
-                "context": context,
-                "batch": batch,
-                **{f"{k}_ms_per_step": round(v * 1e3, 2) for k, v in step.items()},
-                **{f"{k}_ms_per_token": round(v * 1e3 / batch, 2) for k, v in step.items()},
-                "exact_vs_transformers": round(step["transformers"] / step["exact"], 3),
-                "fast_vs_transformers": round(step["transformers"] / step["fast"], 3),
-            }
             drafts = time_draft_weights(drafters, prefix, batch, args.steps, args.repeats)
-            row["draft_weights_ms_per_token"] = {
-                kind: round(v * 1e3 / batch, 2) for kind, v in drafts.items()
-            }
+            row = decode_row(context, batch, step, drafts)
             rows.append(row)
             note(_format_row(row))
             bar.update(1)
@@ -191,25 +204,33 @@ def _table(rows: list[dict]) -> str:
         "| context | batch | exact ms/tok | fast ms/tok | transformers ms/tok "
         "| exact speed vs transformers | fast speed vs transformers |"
     )
-    lines = [head, "|" + "---|" * 7]
+    lines = [_runs_line(rows), head, "|" + "---|" * 7]
     for r in rows:
+        cells = [row_text(r, f"{k}_ms_per_token") for k in ("exact", "fast", "transformers")]
         lines.append(
-            f"| {r['context']} | {r['batch']} | {r['exact_ms_per_token']} | "
-            f"{r['fast_ms_per_token']} | {r['transformers_ms_per_token']} | "
+            f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " | "
             f"{r['exact_vs_transformers']}x | {r['fast_vs_transformers']}x |"
         )
     return "\n".join(lines)
 
 
+def _runs_line(rows: list[dict]) -> str:
+    """What the cells are: "median [min-max] of N runs"."""
+    runs = sorted({s["runs"] for r in rows for s in r["spread"].values()})
+    return f"ms per token: median [min-max] of {'/'.join(map(str, runs))} runs"
+
+
 def _draft_table(rows: list[dict], kinds: list[str]) -> str:
     """Fast-mode ms per token with each draft-weights setting, and speed vs fp32's."""
     head = "| context | batch | " + " | ".join(f"fast {k} ms/tok" for k in kinds) + " |"
-    lines = [head, "|" + "---|" * (2 + len(kinds))]
+    lines = [_runs_line(rows), head, "|" + "---|" * (2 + len(kinds))]
     for r in rows:
         ms = r["draft_weights_ms_per_token"]
         base = ms.get("fp32")
         cells = [
-            f"{ms[k]}" + (f" ({base / ms[k]:.2f}x)" if base and k != "fp32" else "") for k in kinds
+            row_text(r, f"draft_{k}_ms_per_token")
+            + (f" ({base / ms[k]:.2f}x)" if base and k != "fp32" else "")
+            for k in kinds
         ]
         lines.append(f"| {r['context']} | {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

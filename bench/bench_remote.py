@@ -35,13 +35,15 @@ near-data, queries and partials); the near-data passes' time per pass waiting on
 ("wire", round trips and shard compute) and the shards' compute within it; peak decoder KV
 bytes (budget accounting); the DESIGN.md section 10 bound (full-KV step time over draft
 step time, measured in the same run, times the fraction of drafted tokens accepted); and
-identical-to-full per request. Times are medians over `--repeats` runs.
+identical-to-full per request. Figures are medians over `--repeats` (3) runs, each on a
+fresh decoder; the table gives the range of tok/s over the runs ("min-max") and the JSON
+every figure's under "spread" (bench/stats.py).
 
 Besides the JSON it draws, beside it (bench/plots.py): `remote-budget.png` (tok/s vs KV
 budget per mode), `remote-bytes.png` (bytes on the wire per token per mode) and
 `remote-accepted.png` (accepted drafts per verification).
 
-Usage: python bench/bench_remote.py [--workloads shared distinct] [--repeats 1]
+Usage: python bench/bench_remote.py [--workloads shared distinct] [--repeats 3]
        [--out bench/results/remote.json]
 """
 
@@ -62,6 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import plots  # noqa: E402
+from bench.stats import DEFAULT_REPEATS, row_spread, spreads, spreads_json  # noqa: E402
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
 from decoder.progress import note, progress  # noqa: E402
@@ -128,7 +131,7 @@ def main() -> int:
         ],
     )
     ap.add_argument("--ngram", type=int, default=8, help="guesses per forward in +ngram modes")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     ap.add_argument("--out", type=Path, default=Path("bench/results/remote.json"))
     args = ap.parse_args()
 
@@ -286,7 +289,10 @@ def _measure(stores, token, model, prompts, mode, budget, args, key=None) -> dic
     if any(r["tokens"] != tokens for r in runs):
         raise SystemExit(f"{mode}: outputs differ across repeats")
     counts = ("tokens", "accepted_histogram")
-    row = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key not in counts}
+    figures = spreads(runs, [key for key in runs[0] if key not in counts])
+    row = {key: figure.median for key, figure in figures.items()}
+    row["spread"] = spreads_json(figures)
+    row["runs"] = len(runs)
     row["tokens"] = tokens
     row["accepted_histogram"] = plots.merged_histogram(r["accepted_histogram"] for r in runs)
     row["mode"] = mode
@@ -391,9 +397,10 @@ def _finish_row(row: dict, reference: dict | None) -> None:
 
 
 HEADER = (
-    f"{'workload':9s} {'budget':>15s} {'mode':15s} {'tok/s':>7s} {'vs full':>7s} {'p50 s':>6s} "
-    f"{'p95 s':>6s} {'acc/ver':>7s} {'dr/fwd':>6s} {'wire/tok':>10s} {'wire ms':>7s} "
-    f"{'shard ms':>8s} {'peak KV':>9s} {'bound':>6s} {'of bnd':>6s} identical"
+    f"{'workload':9s} {'budget':>15s} {'mode':15s} {'tok/s':>7s} {'min-max':>13s} "
+    f"{'vs full':>7s} {'p50 s':>6s} {'p95 s':>6s} {'acc/ver':>7s} {'dr/fwd':>6s} "
+    f"{'wire/tok':>10s} {'wire ms':>7s} {'shard ms':>8s} {'peak KV':>9s} {'bound':>6s} "
+    f"{'of bnd':>6s} identical"
 )
 
 
@@ -409,10 +416,16 @@ def _fmt_row(row: dict) -> str:
     shard = f"{1e3 * row['near_shard_per_pass_s']:.0f}" if near else "-"
     return (
         f"{row['workload']:9s} {row['budget_label']:>15s} {row['mode']:15s} "
-        f"{row['tokens_per_s']:7.2f} {ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} "
-        f"{acc:>7s} {per_fwd:>6s} {_mb(row['wire_per_token']):>10s} {wire:>7s} {shard:>8s} "
+        f"{row['tokens_per_s']:7.2f} {tokens_per_s_range(row):>13s} {ratio:>7s} "
+        f"{row['p50_s']:6.1f} {row['p95_s']:6.1f} {acc:>7s} {per_fwd:>6s} "
+        f"{_mb(row['wire_per_token']):>10s} {wire:>7s} {shard:>8s} "
         f"{_mb(row['peak_kv_bytes']):>9s} {bound:>6s} {share:>6s} {row['identical'] or 'reference'}"
     )
+
+
+def tokens_per_s_range(row: dict) -> str:
+    """A row's tokens/s over its runs as "min-max"."""
+    return row_spread(row, "tokens_per_s").range_text()
 
 
 def _print_row(row: dict) -> None:
@@ -420,7 +433,9 @@ def _print_row(row: dict) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print("\n" + HEADER)
+    runs = sorted({row["runs"] for row in rows})
+    print(f"\nmedians of {'/'.join(map(str, runs))} runs; min-max: tok/s over the runs")
+    print(HEADER)
     print("-" * len(HEADER))
     for row in rows:
         print(_fmt_row(row))

@@ -13,11 +13,12 @@ Per policy: aggregate tokens/s (all tokens over the batch's wall time), bytes th
 read from the store per generated token (pulled full KV plus near-data queries and
 partials), the compressed copies the decoders hold at the end (one per prefix and decoder
 that served it), requests per decoder, and identical-to-full-KV per request (against the
-same prompt decoded in this process with full KV). Times are medians over `--repeats`
-runs, each on a fresh deployment.
+same prompt decoded in this process with full KV). Figures are medians over `--repeats`
+(3) runs, each on a fresh deployment, with their range [min-max] in the table and JSON
+(bench/stats.py); "identical" is the fewest of any run.
 
 Usage: python bench/bench_routed.py [--prefixes 4] [--requests 8] [--prefix-tokens 1500]
-       [--max-new-tokens 24] [--repeats 1] [--out bench/results/routed.json]
+       [--max-new-tokens 24] [--repeats 3] [--out bench/results/routed.json]
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import inspect
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import threading
@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stats import DEFAULT_REPEATS, row_text, spreads, spreads_json  # noqa: E402
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
 from decoder.generate import generate_full  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
@@ -48,6 +49,8 @@ from prefix_store.metadata import Metadata  # noqa: E402
 POLICIES = ("affinity", "round-robin")
 MODULES = ["argparse", "inspect", "difflib", "typing", "pathlib", "dataclasses"]
 COMPRESSOR = "snapkv:budget=0.125"
+TIMED = ("tok_s", "wall_s", "read_bytes_per_token")
+"""The figures that vary from run to run: medians, with their spread."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefix-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--mode", default="vericache")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/routed.json"))
     return parser.parse_args(argv)
 
@@ -154,9 +157,12 @@ def batch(router: str, token: str, requests, args):
 
 
 def median_row(runs: list[dict]) -> dict:
+    """One policy's row over its runs: the first run's counts, the `TIMED` figures' medians
+    (their spread under "spread"), the fewest identical requests of any run."""
+    figures = spreads(runs, TIMED)
     row = dict(runs[0])
-    for key in ("tok_s", "wall_s", "read_bytes_per_token"):
-        row[key] = statistics.median(r[key] for r in runs)
+    row.update({key: figure.median for key, figure in figures.items()})
+    row["spread"] = spreads_json(figures)
     row["identical"] = min(r["identical"] for r in runs)
     row["runs"] = len(runs)
     return row
@@ -164,13 +170,14 @@ def median_row(runs: list[dict]) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     base = next(r for r in rows if r["policy"] == "round-robin")
-    print("| policy | tok/s | vs round robin | read/token | compressed copies | per decoder "
-          "| identical |")  # fmt: skip
+    print(f"medians of {base['runs']} runs, [min-max] of the runs")
+    print("| policy | tok/s [min-max] | vs round robin | read/token | compressed copies "
+          "| per decoder | identical |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         spread = ", ".join(f"{k} {v}" for k, v in sorted(r["per_decoder"].items()))
         print(
-            f"| {r['policy']} | {r['tok_s']:.2f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"| {r['policy']} | {row_text(r, 'tok_s')} | {r['tok_s'] / base['tok_s']:.2f}x | "
             f"{r['read_bytes_per_token'] / 1e6:.1f} MB | {r['compressed_copies']} | {spread} | "
             f"{r['identical']}/{r['requests']} |"
         )

@@ -14,7 +14,8 @@ prefix (`publish_prefix`, two-phase puts) and fetches it into preallocated tenso
   (`prefix_store.lmcache`, in this process), which stores each chunk into the shards as one
   tenant's object (a PutArtifact/FetchArtifact per chunk, replication 1 as above).
 
-GB/s counts payload bytes (1e9) over wall time, medians of `--repeats` runs.
+GB/s counts payload bytes (1e9) over wall time: the median of `--repeats` (3) runs, with
+their range [min-max] in the table and under "spread" in the JSON (bench/stats.py).
 
 Memory warm-up: on the virtual machines this was developed on, the first touch of memory
 the guest has never used runs at ~0.7-0.9 GB/s (the host backs it lazily), while memory
@@ -32,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import store_baselines  # noqa: E402
+from bench.stats import DEFAULT_REPEATS, row_text, spread, spreads_json  # noqa: E402
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 from prefix_store.config import ClientConfig, GiB, MiB  # noqa: E402
@@ -62,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--message-mib", type=float, default=1.0)
     parser.add_argument("--streams", type=int, default=2, help="parallel streams per transfer")
     parser.add_argument("--skip-lmcache", action="store_true")
@@ -121,11 +122,30 @@ def transfer_runs(client: StoreClient, args, kv: torch.Tensor, payload: int) -> 
         k.zero_()
         v.zero_()
     return {
-        "put_gbps": payload / statistics.median(put_s) / 1e9,
-        "fetch_gbps": payload / statistics.median(fetch_s) / 1e9,
+        **rates(payload, put_s, fetch_s),
         "put_runs_s": put_s,
         "fetch_runs_s": fetch_s,
         "bitwise_equal": equal,
+    }
+
+
+def rates(nbytes: int, put_s: list[float], fetch_s: list[float]) -> dict:
+    """Figures "put_gbps" and "fetch_gbps": the median GB/s of runs moving `nbytes` in each of
+    `put_s` / `fetch_s` seconds, with both figures' range over the runs under "spread"."""
+    figures = {
+        "put_gbps": spread(nbytes / s / 1e9 for s in put_s),
+        "fetch_gbps": spread(nbytes / s / 1e9 for s in fetch_s),
+    }
+    return {key: figure.median for key, figure in figures.items()} | {
+        "spread": spreads_json(figures)
+    }
+
+
+def lmcache_rates(result: dict) -> dict:
+    """A row's figures from `store_baselines.measure_lmcache_client`'s result."""
+    return {
+        **rates(result["total_bytes"], result["put_runs_s"], result["get_runs_s"]),
+        "bitwise_equal": result["bitwise_equal"],
     }
 
 
@@ -141,8 +161,8 @@ def prefault(gib: float) -> float:
 
 def table(rows: list[dict]) -> str:
     header = (
-        "| system | shards | put GB/s | fetch GB/s | put vs LMCache | fetch vs LMCache "
-        "| fetch vs raw TCP | bitwise |"
+        "| system | shards | put GB/s [min-max] | fetch GB/s [min-max] | put vs LMCache "
+        "| fetch vs LMCache | fetch vs raw TCP | bitwise |"
     )
     lines = [header, "|" + "---|" * 8]
     lm = next((r for r in rows if r["system"] == LMCACHE_ROW), None)
@@ -151,8 +171,8 @@ def table(rows: list[dict]) -> str:
         put_ratio = f"{r['put_gbps'] / lm['put_gbps']:.2f}" if lm else "-"
         fetch_ratio = f"{r['fetch_gbps'] / lm['fetch_gbps']:.2f}" if lm else "-"
         lines.append(
-            f"| {r['system']} | {r.get('shards', '-')} | {r['put_gbps']:.2f} "
-            f"| {r['fetch_gbps']:.2f} | {put_ratio} | {fetch_ratio} "
+            f"| {r['system']} | {r.get('shards', '-')} | {row_text(r, 'put_gbps')} "
+            f"| {row_text(r, 'fetch_gbps')} | {put_ratio} | {fetch_ratio} "
             f"| {r['fetch_gbps'] / raw['fetch_gbps']:.2f} | {r.get('bitwise_equal', '-')} |"
         )
     return "\n".join(lines)
@@ -172,8 +192,7 @@ def main(argv=None) -> None:
     rows.append(
         {
             "system": "raw tcp",
-            "put_gbps": raw["send_gbps"],
-            "fetch_gbps": raw["recv_gbps"],
+            **rates(payload, raw["send_runs_s"], raw["recv_runs_s"]),
             "bitwise_equal": raw["intact"],
         }
     )
@@ -181,14 +200,7 @@ def main(argv=None) -> None:
     if not args.skip_lmcache:
         n_chunks = args.tokens // store_baselines.CHUNK_TOKENS
         lm = store_baselines.measure_lmcache(store_baselines.CHUNK_BYTES, n_chunks, args.repeats)
-        rows.append(
-            {
-                "system": LMCACHE_ROW,
-                "put_gbps": lm["put_gbps"],
-                "fetch_gbps": lm["get_gbps"],
-                "bitwise_equal": lm["bitwise_equal"],
-            }
-        )
+        rows.append({"system": LMCACHE_ROW, **lmcache_rates(lm)})
         print(f"lmcache: put {lm['put_gbps']:.2f} GB/s, get {lm['get_gbps']:.2f}", flush=True)
     kv = torch.randn(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, args.tokens, LAYOUT.head_dim)
     for shards in args.shards:
@@ -201,15 +213,7 @@ def main(argv=None) -> None:
             flush=True,
         )
         if gateway is not None:
-            rows.append(
-                {
-                    "system": GATEWAY_ROW,
-                    "shards": shards,
-                    "put_gbps": gateway["put_gbps"],
-                    "fetch_gbps": gateway["get_gbps"],
-                    "bitwise_equal": gateway["bitwise_equal"],
-                }
-            )
+            rows.append({"system": GATEWAY_ROW, "shards": shards, **lmcache_rates(gateway)})
             print(
                 f"{GATEWAY_ROW} x{shards}: put {gateway['put_gbps']:.2f} GB/s, "
                 f"get {gateway['get_gbps']:.2f}",
