@@ -69,6 +69,8 @@ from vericache.v1 import prefix_store_pb2 as pb  # noqa: E402
 
 from bench.load import (  # noqa: E402
     LAYOUT,
+    MISS,
+    Done,
     Generation,
     LoadConfig,
     Processes,
@@ -226,20 +228,20 @@ class Driver:
         finally:
             self.free.release()
 
-    def put(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
+    def put(self, tenant: Tenant, rng: random.Random, _) -> Done:
         """A 64-byte put (one chunk of SMALL), new every time."""
         ids = [rng.randrange(50_000) for _ in range(SMALL.chunk_tokens)]
         kv = torch.randn((1, 2, 1, SMALL.chunk_tokens, 1)).to(torch.float16)
         tenant.store.publish_prefix(ids, kv, SMALL)
-        return 0, 0
+        return Done()
 
-    def generate(self, tenant: Tenant, rng: random.Random, decoder) -> tuple[int, int]:
+    def generate(self, tenant: Tenant, rng: random.Random, decoder) -> Done:
         """A vericache generate through the router, kept for the token check."""
         prompt = rng.choice(tenant.prompts)
         new_tokens = self.bench.config.new_tokens
         reply = decoder.generate(token_ids=prompt, max_new_tokens=new_tokens, mode="vericache")
         self.recorder.generated(Generation(prompt, "vericache", list(reply.tokens)))
-        return 0, 0
+        return Done()
 
 
 def ticks(start: float, per_s: float, end: float = float("inf")) -> Iterator[float]:
@@ -928,8 +930,8 @@ def row(bench, name, attack, recorder, victim, seconds, healthy, did, processes)
     outcomes = recorder.outcomes
     summary = summarise(outcomes, seconds, OPERATIONS)
     ok = [o.seconds for o in outcomes if o.status == "OK"]
-    tokens = check_generations(bench.workload, bench.runner, len(recorder.generations),
-                               recorder.generations, bench.references)  # fmt: skip
+    tokens = check_generations(bench.workload, bench.runner, recorder.generations,
+                               bench.references)  # fmt: skip
     return {
         "phase": name,
         "attack": attack.summary if attack else "",
@@ -938,7 +940,7 @@ def row(bench, name, attack, recorder, victim, seconds, healthy, did, processes)
         "skipped": victim.skipped,
         "ops": len(outcomes),
         "ok_per_s": len(ok) / seconds,
-        "failed": summary["errors"],
+        "failed": summary["errors"] | ({MISS: summary["misses"]} if summary["misses"] else {}),
         "p50_s": percentile(ok, 0.50),
         "p99_s": percentile(ok, 0.99),
         "operations": summary["operations"],

@@ -3,12 +3,21 @@
 The load of `bench/load.py` runs in the background the whole time. Each fault in turn is
 injected, held for `--hold` seconds, repaired, and the service watched until it is healthy
 again: every shard in the membership, and a probe (a fresh tenant's publish, lookup and
-bitwise fetch through the store SDK, and a two-token generate) succeeds. Then:
+bitwise fetch through the store SDK, and a two-token generate) succeeds. The run fails
+(`verdict`, exit 1) unless:
 
+- every fault proves it took effect, by what was measured in its window (`Fault.evidence`:
+  failovers, unreachable shards or failed calls; a generate in flight when the decoder
+  died; blobs flipped and detected; corruption in transit detected by the client), and
+  its "observed" text is built from those figures;
 - no wrong token: every lossless generation of the run is checked against in-process
-  full-KV decoding at the end (a sample of `--sample`);
+  full-KV decoding at the end (counted per fault window);
 - no lost or torn committed bytes: every fetched byte is compared with what was published,
-  and at the end every shard's blobs are what it charges its tenants (held == charged);
+  every prefix committed is read back at the end, and a miss is a loss unless the shards'
+  counters explain it (`bench.load.Losses`); every shard's blobs are what it charges its
+  tenants (held == charged);
+- no operation failed with a status its window does not expect (`Fault.allowed`; none
+  before the first fault), none with an exception;
 - the service healthy again after every fault (its recovery time is the figure).
 
 Faults (`--faults` picks some; those needing root are skipped without it):
@@ -24,7 +33,7 @@ Faults (`--faults` picks some; those needing root are skipped without it):
   checks (`prefix_store.faults`).
 
 Usage: python bench/chaos.py [--clients 16] [--tenants 4] [--hold 15] [--faults ...]
-       [--sample 16] [--out bench/results/chaos.json]
+       [--out bench/results/chaos.json]
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,11 +62,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import (  # noqa: E402
+    ANSWERED,
     LAYOUT,
+    LOSSLESS,
+    MISS,
+    Generation,
     LoadConfig,
+    Outcome,
     Processes,
+    Recorder,
     Workload,
     check_generations,
+    errors_of,
+    integrity,
+    print_checks,
+    summarise,
 )
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
 from decoder.progress import progress  # noqa: E402
@@ -67,26 +86,40 @@ from prefix_store.config import ClientConfig, MiB  # noqa: E402
 from prefix_store.metadata import Metadata  # noqa: E402
 
 RECOVERY_LIMIT_S = 180.0
-
-
-@dataclass
-class FaultResult:
-    fault: str
-    expected: str
-    observed: str
-    recovery_s: float | None
-    """From the repair until healthy again (None: never, within RECOVERY_LIMIT_S)."""
-    lost_bytes: int
-    errors: dict[str, int]
+BITE_S = 60.0
+"""How much longer than its hold a fault that needs traffic to show (a full disk) is kept,
+at most, waiting for that traffic."""
+OUTAGE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+"""What calls to a component that is down or hung may fail with."""
 
 
 @dataclass
 class Fault:
     name: str
     expected: str
-    inject: Callable[[Chaos], Callable[[], str]]
-    """Injects the fault; returns the repair, which returns what was observed."""
+    inject: Callable[[Chaos], Callable[[], dict[str, int]]]
+    """Injects the fault; returns the repair, which returns what the fault measured."""
+    observed: str
+    """What was observed, from the fault's and its window's figures (`Window.figures`)."""
+    evidence: tuple[tuple[str, ...], ...]
+    """Each group: at least one of these figures must be > 0, or the fault did nothing."""
+    allowed: frozenset[str] = OUTAGE
+    """Statuses operations started in its window may fail with."""
     needs_root: bool = False
+
+
+@dataclass
+class FaultRun:
+    """One fault as it ran: its window [start, the next fault's start) and its figures."""
+
+    fault: Fault
+    start: float
+    recovery_s: float | None
+    """From the repair until healthy again (None: never, within RECOVERY_LIMIT_S)."""
+    measured: dict[str, int]
+    events: dict[str, int]
+    """What the tenants' store clients met in the window (`StoreClient.events`)."""
+    repair_error: str = ""
 
 
 # ---- the deployment ----------------------------------------------------------------------
@@ -107,25 +140,30 @@ def free_ports(count: int) -> int:
     raise RuntimeError("no run of free ports found")
 
 
+DISK_TIER = 512 * MiB
+"""Each shard's disk tier in a chaos run."""
+
+
 @contextlib.contextmanager
-def chaos_deployment(config: LoadConfig, disk_fs_bytes: int | None) -> Iterator[Deployment]:
+def chaos_deployment(config: LoadConfig, own_disk: bool) -> Iterator[Deployment]:
     """A deployment whose shards and decoders keep their ports across restarts, with small
-    tiers (so that load spills to disk), shard 0's disk tier on its own small tmpfs when
-    `disk_fs_bytes` is given (root)."""
+    tiers (so that load spills to disk); with `own_disk` (root), shard 0's disk tier is on
+    its own tmpfs, a little larger than the tier, so that it fills only when the disk-full
+    fault fills it (a tier larger than its filesystem would fail writes all along)."""
     with tempfile.TemporaryDirectory(prefix="vericache-chaos-") as home:
         state = Path(home) / "state"
         mounted = None
-        if disk_fs_bytes:
+        if own_disk:
             mounted = state / "shards" / "shard-0"
             mounted.mkdir(parents=True)
-            size = f"size={disk_fs_bytes}"
+            size = f"size={DISK_TIER + 64 * MiB}"
             subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(mounted)], check=True)
         try:
             serve = ServeConfig(
                 shards=config.shards,
                 decoders=config.decoders,
                 memory_bytes=16 * MiB,  # the load spills to disk
-                disk_bytes=1024 * MiB,
+                disk_bytes=DISK_TIER,
                 state_dir=state,
                 port=free_ports(config.shards),
                 data_port=free_ports(config.shards),
@@ -153,22 +191,34 @@ class Chaos:
     def shard_pid(self, index: int) -> int:
         return ray.get(self.deployment.actors[index].pid.remote(), timeout=30)
 
-    def kill_shard(self, index: int) -> None:
+    def kill_shard(self, index: int) -> int:
+        """kill -9 a shard; returns how many blobs it held in memory (lost with it: each
+        explains a miss)."""
+        in_memory = self.workload.counters.observe().get(index, {}).get("memory_blobs", 0)
         os.kill(self.shard_pid(index), signal.SIGKILL)
+        self.workload.losses.explain("killed_in_memory", in_memory)
         actor = self.deployment.actors.pop(index)
         self.deployment.endpoints.pop(index, None)
         with contextlib.suppress(Exception):
             ray.kill(actor)
+        return in_memory
 
     def restart_shard(self, index: int) -> None:
         self.deployment.start_shard(index)
 
-    def kill_decoder(self, index: int) -> None:
+    def kill_decoder(self, index: int, wait_s: float = 60.0) -> int:
+        """kill -9 a decoder once a generate is in flight (waiting up to `wait_s`);
+        returns how many were."""
+        deadline = time.monotonic() + wait_s
+        while not self.workload.recorder.in_flight("generate") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        in_flight = self.workload.recorder.in_flight("generate")
         actor = self.deployment.decoder_actors.pop(index)
         os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
         self.deployment.decoders.pop(index, None)
         with contextlib.suppress(Exception):
             ray.kill(actor)
+        return in_flight
 
     def shard_disk(self, index: int) -> Path:
         return Path(self.deployment.config.state_dir) / "shards" / f"shard-{index}"
@@ -213,76 +263,94 @@ class Chaos:
             time.sleep(0.5)
         return None
 
-    def shard_stats(self) -> list[dict]:
-        return [r.info for r in self.metadata.shards()]
+    def shard_stats(self) -> dict[int, dict]:
+        """Every live shard's stats now, by index (read from the shards themselves)."""
+        return self.workload.counters.observe()
+
+    def grew(self, before: dict[int, dict], *keys: str) -> int:
+        """How much `keys` grew on the shards since `before` (a shard restarted since:
+        from 0)."""
+        after = self.shard_stats()
+        return sum(after[i].get(k, 0) - before.get(i, {}).get(k, 0) for i in after for k in keys)
 
 
 # ---- the faults --------------------------------------------------------------------------
 
 
-def shard_kill(index: int) -> Callable[[Chaos], Callable[[], str]]:
-    def inject(chaos: Chaos) -> Callable[[], str]:
-        chaos.kill_shard(index)
+Repair = Callable[[], dict[str, int]]
 
-        def repair() -> str:
+
+def shard_kill(index: int) -> Callable[[Chaos], Repair]:
+    def inject(chaos: Chaos) -> Repair:
+        in_memory = chaos.kill_shard(index)
+
+        def repair() -> dict[str, int]:
             chaos.restart_shard(index)
-            return f"shard-{index} killed; restarted on its disk tier"
+            return {"in_memory": in_memory}
 
         return repair
 
     return inject
 
 
-def shard_stop(chaos: Chaos) -> Callable[[], str]:
+def shard_stop(chaos: Chaos) -> Repair:
     pid = chaos.shard_pid(1)
     os.kill(pid, signal.SIGSTOP)
 
-    def repair() -> str:
+    def repair() -> dict[str, int]:
         os.kill(pid, signal.SIGCONT)
-        return "shard-1 stopped (SIGSTOP), then continued"
+        return {}
 
     return repair
 
 
-def redis_restart(chaos: Chaos) -> Callable[[], str]:
+def redis_run_id(url: str) -> str:
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        return client.info("server")["run_id"]
+
+
+def redis_restart(chaos: Chaos) -> Repair:
     redis = chaos.deployment.redis
     assert redis is not None, "the deployment's own Redis"
+    before = redis_run_id(chaos.deployment.redis_url)
     redis.stop()
 
-    def repair() -> str:
+    def repair() -> dict[str, int]:
         redis.start()
-        return "redis-server stopped, started again on its append-only file"
+        return {"restarted": int(redis_run_id(chaos.deployment.redis_url) != before)}
 
     return repair
 
 
-def disk_full(chaos: Chaos) -> Callable[[], str]:
+def disk_full(chaos: Chaos) -> Repair:
     disk = chaos.shard_disk(0)
     filler = disk / "filler.fill"
     with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:
         while True:  # until the filesystem has no room left (ENOSPC)
             f.write(b"\0" * (1 << 20))
-    before = {s["shard_id"]: s for s in chaos.shard_stats()}
+    before = chaos.shard_stats()
 
-    def repair() -> str:
+    def repair() -> dict[str, int]:
+        deadline = time.monotonic() + BITE_S  # held until a write met the full disk
+        while not (failed := chaos.grew(before, "disk_write_errors")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        lost = chaos.grew(before, "lost_spills")
         filler.unlink()
-        after = {s["shard_id"]: s for s in chaos.shard_stats()}
-
-        def grew(key: str) -> int:
-            return sum(after[s].get(key, 0) - before.get(s, {}).get(key, 0) for s in after)
-
-        lost, errors = grew("lost_spills"), grew("disk_write_errors")
-        return f"shard-0 disk full: {errors} failed disk writes, {lost} evicted blobs lost"
+        return {"disk_write_errors": failed, "lost_spills": lost}
 
     return repair
 
 
-def decoder_kill(chaos: Chaos) -> Callable[[], str]:
-    chaos.kill_decoder(0)
+def decoder_kill(chaos: Chaos) -> Repair:
+    in_flight = chaos.kill_decoder(0)
 
-    def repair() -> str:
+    def repair() -> dict[str, int]:
         chaos.deployment.start_decoder(0)
-        return "decoder-0 killed mid-request; a new decoder started on its port"
+        return {"in_flight": in_flight}
 
     return repair
 
@@ -299,8 +367,8 @@ def load_blobs(disk: Path) -> list[Path]:
     return found
 
 
-def disk_corrupt(chaos: Chaos) -> Callable[[], str]:
-    before = sum(s.get("corrupt", 0) for s in chaos.shard_stats())
+def disk_corrupt(chaos: Chaos) -> Repair:
+    before = chaos.shard_stats()
     blobs = load_blobs(chaos.shard_disk(1))
     flipped = 0
     for path in random.Random(0).sample(blobs, min(8, len(blobs))):
@@ -311,26 +379,28 @@ def disk_corrupt(chaos: Chaos) -> Callable[[], str]:
             f.write(bytes([byte[0] ^ 0xFF]))
             flipped += 1
 
-    def repair() -> str:
+    def repair() -> dict[str, int]:
         chaos.workload.sweep()  # read everything back: corrupt copies are met and dropped
-        detected = sum(s.get("corrupt", 0) for s in chaos.shard_stats()) - before
-        return f"{flipped} blobs flipped on shard-1's disk; {detected} detected on read"
+        return {"flipped": flipped, "detected": chaos.grew(before, "corrupt")}
 
     return repair
 
 
-def transit_corrupt(chaos: Chaos) -> Callable[[], str]:
+def transit_corrupt(chaos: Chaos) -> Repair:
     actors = list(chaos.deployment.actors.values())
-    before = sum(ray.get([a.inject_transit_faults.remote(4) for a in actors], timeout=30))
+    before = sum(ray.get([a.inject_transit_faults.remote(8) for a in actors], timeout=30))
 
-    def repair() -> str:
+    def repair() -> dict[str, int]:
         chaos.workload.sweep()
         fired = sum(ray.get([a.inject_transit_faults.remote(0) for a in actors], timeout=30))
-        return f"{fired - before} fetched layers corrupted in transit"
+        return {"corrupted": fired - before}
 
     return repair
 
 
+WINDOW = (
+    "{failovers} fetch failovers, {unreachable} calls finding a shard unreachable, {errors} failed"
+)
 FAULTS = {
     f.name: f
     for f in (
@@ -338,30 +408,68 @@ FAULTS = {
             "shard-kill-fetch",
             "fetches continue from the replica; nothing lost",
             shard_kill(1),
+            "shard-1 killed with {in_memory} blobs in memory, restarted on its disk tier; "
+            + WINDOW,
+            (("failovers", "unreachable", "errors"),),
         ),
         Fault(
             "shard-kill-put",
             "publishes complete on the survivor (missing replicas reported); nothing lost",
             shard_kill(0),
+            "shard-0 killed with {in_memory} blobs in memory, restarted on its disk tier; "
+            "{missing_replicas} replicas reported missing; " + WINDOW,
+            (("missing_replicas", "unreachable", "errors"),),
         ),
-        Fault("shard-stop", "calls to it time out and go to the replica", shard_stop),
-        Fault("redis-restart", "shards register again; data intact", redis_restart),
+        Fault(
+            "shard-stop",
+            "calls to it time out and go to the replica",
+            shard_stop,
+            "shard-1 stopped (SIGSTOP), then continued; " + WINDOW,
+            (("failovers", "unreachable", "errors"),),
+        ),
+        Fault(
+            "redis-restart",
+            "shards register again; data intact",
+            redis_restart,
+            "redis-server restarted on its append-only file (new run id: {restarted}); " + WINDOW,
+            (("restarted",), ("errors", "unreachable")),
+        ),
         Fault(
             "disk-full",
             "puts needing the disk fail RESOURCE_EXHAUSTED or evict; accounting exact",
             disk_full,
+            "shard-0 disk full: {disk_write_errors} failed disk writes, {lost_spills} evicted "
+            "blobs lost; {errors} operations failed",
+            (("disk_write_errors",),),
+            frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"}),
             needs_root=True,
         ),
         Fault(
             "decoder-kill",
             "its streams fail UNAVAILABLE; a new decoder serves; no wrong token",
             decoder_kill,
+            "decoder-0 killed with {in_flight} generates in flight, {generate_errors} failed; "
+            "a new decoder started on its port",
+            (("in_flight",), ("generate_errors",)),
+            OUTAGE | {"CANCELLED"},
         ),
-        Fault("disk-corrupt", "detected on read, read from the replica", disk_corrupt),
+        Fault(
+            "disk-corrupt",
+            "detected on read, read from the replica",
+            disk_corrupt,
+            "{flipped} blobs flipped on shard-1's disk; {detected} detected (read or scrub), "
+            "{data_loss_failovers} fetches went on from the replica; {misses} misses",
+            (("flipped",), ("detected",)),
+            frozenset(),
+        ),
         Fault(
             "transit-corrupt",
             "detected by the client, read from the replica (a miss if both copies were hit)",
             transit_corrupt,
+            "{corrupted} fetched layers corrupted in transit; {transit_detected} detected by "
+            "the client; {misses} misses",
+            (("corrupted",), ("transit_detected",)),
+            frozenset(),
         ),
     )
 }
@@ -370,24 +478,81 @@ FAULTS = {
 # ---- running it --------------------------------------------------------------------------
 
 
-def run_fault(chaos: Chaos, fault: Fault, hold_s: float) -> FaultResult:
+def run_fault(chaos: Chaos, fault: Fault, hold_s: float) -> FaultRun:
+    events = chaos.workload.events()
     start = time.monotonic()
-    repair = fault.inject(chaos)
-    time.sleep(hold_s)
+    repair, measured, error = None, {}, ""
     try:
-        observed = repair()
-    except Exception as error:  # noqa: BLE001 - reported, the next fault still runs
-        observed = f"repair failed: {type(error).__name__}: {error}"
+        repair = fault.inject(chaos)
+        time.sleep(hold_s)
+        measured = repair()
+    except Exception as failure:  # noqa: BLE001 - reported, the next fault still runs
+        error = f"{type(failure).__name__}: {failure}"
     recovery = chaos.recover()
-    window = chaos.workload.recorder.since(start)
-    return FaultResult(
-        fault.name,
-        fault.expected,
-        observed,
-        recovery,
-        sum(o.lost_bytes for o in window),
-        dict(Counter(o.status for o in window if o.status != "OK")),
-    )
+    grown = chaos.workload.events()
+    grown.subtract(events)
+    return FaultRun(fault, start, recovery, measured, +grown, error)
+
+
+def window(outcomes: list[Outcome], generations: list[Generation], wrong: int) -> dict:
+    """The figures of one window's operations and generations (those started in it);
+    `wrong`: how many of the generations had a wrong token."""
+    errors = errors_of(outcomes)
+    return {
+        "operations": len(outcomes),
+        "errors": sum(errors.values()),
+        "by_status": errors,
+        "misses": sum(o.status == MISS for o in outcomes),
+        "generate_errors": sum(o.op == "generate" and o.status not in ANSWERED for o in outcomes),
+        "missing_replicas": sum(o.missing_replicas for o in outcomes),
+        "lost_bytes": sum(o.lost_bytes for o in outcomes),
+        "checked_generations": sum(g.mode in LOSSLESS for g in generations),
+        "wrong_generations": wrong,
+    }
+
+
+def fault_result(run: FaultRun, figures: dict) -> dict:
+    """One fault's row: what it measured, its window, its evidence."""
+    events = run.events
+    evidence = {
+        **run.measured,
+        **{k: v for k, v in figures.items() if isinstance(v, int)},
+        "failovers": sum(v for k, v in events.items() if k.startswith("failover.")),
+        "unreachable": events.get("unreachable", 0),
+        "transit_detected": events.get("failover.CorruptInTransit", 0),
+        "data_loss_failovers": events.get("failover.DataLoss", 0),
+    }
+    observed = run.fault.observed.format_map(defaultdict(int, evidence))
+    if run.repair_error:
+        observed = f"injection or repair failed: {run.repair_error}"
+    return {
+        "fault": run.fault.name,
+        "expected": run.fault.expected,
+        "observed": observed,
+        "recovery_s": run.recovery_s,
+        "evidence": evidence,
+        "required": [list(group) for group in run.fault.evidence],
+        "allowed": sorted(run.fault.allowed),
+        "errors": figures["by_status"],
+        "repair_error": run.repair_error,
+        "lost_bytes": figures["lost_bytes"],
+        "checked_generations": figures["checked_generations"],
+    }
+
+
+def windows(runs: list[FaultRun], workload: Workload, tokens: dict, calm_start: float) -> tuple:
+    """The calm window (before the first fault) and each fault's row."""
+    bounds = [r.start for r in runs] + [float("inf")]
+    generations = workload.recorder.generations
+
+    def between(a: float, b: float) -> dict:
+        gens = [g for g in generations if a <= g.started < b]
+        wrong = sum(a <= t < b for t in tokens["wrong_at"])
+        return window(workload.recorder.since(a, b), gens, wrong)
+
+    calm = between(calm_start, bounds[0])
+    rows = [fault_result(r, between(r.start, end)) for r, end in zip(runs, bounds[1:], strict=True)]
+    return calm, rows
 
 
 def run(config: LoadConfig, deployment: Deployment, model, runner, faults, hold_s) -> dict:
@@ -395,27 +560,39 @@ def run(config: LoadConfig, deployment: Deployment, model, runner, faults, hold_
     chaos = Chaos(deployment, workload)
     rss_start = chaos.processes.rss()
     driver = threading.Thread(target=workload.drive_until_stopped, daemon=True)
+    calm_start = time.monotonic()
     driver.start()
-    results = []
+    runs = []
     try:
         time.sleep(min(10.0, hold_s))  # warm: every operation under way
         for fault in (bar := progress(faults, desc="chaos", unit="fault")):
             bar.set_postfix_str(fault.name)
-            results.append(run_fault(chaos, fault, hold_s))
+            runs.append(run_fault(chaos, fault, hold_s))
     finally:
         workload.stop()
         driver.join(timeout=config.timeout_s + 60)
-    workload.sweep()
-    accounting = {s["shard_id"]: (s["held_bytes"], s["usage_bytes"]) for s in chaos.shard_stats()}
-    tokens = check_generations(workload, runner, config.sample)
+    seconds = time.monotonic() - calm_start
+    sweep = Recorder()
+    workload.sweep(sweep)  # every committed prefix, read back once
+    stats = chaos.shard_stats()
+    accounting = {s["shard_id"]: (s["held_bytes"], s["usage_bytes"]) for s in stats.values()}
+    tokens = check_generations(workload, runner)
     rss_end = chaos.processes.rss()
     workload.close()
-    outcomes = workload.recorder.outcomes
+    calm, rows = windows(runs, workload, tokens, calm_start)
+    totals = summarise(workload.recorder.outcomes + sweep.outcomes, seconds)
     return {
-        "faults": [asdict(r) for r in results],
-        "lost_bytes": sum(o.lost_bytes for o in outcomes),
-        "verified_bytes": sum(o.verified_bytes for o in outcomes),
-        "exceptions": sum(o.status.startswith("exception:") for o in outcomes),
+        "faults": rows,
+        "calm": calm,
+        "lost_bytes": totals["lost_bytes"],
+        "verified_bytes": totals["verified_bytes"],
+        "misses": totals["misses"],
+        "errors": totals["errors"],
+        "sweep": {
+            "prefixes": len(sweep.outcomes),
+            "misses": sum(o.status == MISS for o in sweep.outcomes),
+        },
+        "losses": workload.losses.figures(),
         "accounting": accounting,
         "tokens": tokens,
         "rss": {"start": rss_start, "end": rss_end},
@@ -448,37 +625,50 @@ class ChaosWorkload(Workload):
     def stop(self) -> None:
         self._stopped.set()
 
-    def sweep(self) -> None:
-        """Read every prefix published so far back once (each checked bitwise)."""
-        for tenant in self.tenants:
-            for seed in tenant.everything():
-                self.run("fetch", lambda t=tenant, s=seed: self.verify(t, s))
-
 
 def print_table(result: dict) -> None:
-    print(f"{'fault':<17} {'recovery s':>10} {'lost':>6}  observed / expected / errors")
+    print(
+        f"{'fault':<17} {'recovery s':>10} {'lost':>6} {'checked':>7}  observed / expected / errors"
+    )
     for r in result["faults"]:
         recovery = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "never"
         errors = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "-"
-        print(f"{r['fault']:<17} {recovery:>10} {r['lost_bytes']:>6}  {r['observed']}")
-        print(f"{'':<36}expected: {r['expected']}; errors: {errors}")
+        print(f"{r['fault']:<17} {recovery:>10} {r['lost_bytes']:>6} "
+              f"{r['checked_generations']:>7}  {r['observed']}")  # fmt: skip
+        print(f"{'':<44}expected: {r['expected']}; errors: {errors}")
 
 
 def verdict(result: dict) -> list[str]:
-    """What went wrong (empty: every fault passed)."""
-    problems = []
-    if result["lost_bytes"]:
-        problems.append(f"{result['lost_bytes']} bytes read back wrong")
-    if result["tokens"]["wrong_tokens"]:
-        problems.append(f"{result['tokens']['wrong_tokens']} wrong tokens")
-    if result["exceptions"]:
-        problems.append(f"{result['exceptions']} operations failed with an exception (a bug)")
+    """What went wrong (empty: every fault took effect, proved itself and passed)."""
+    problems = integrity(result)
     for shard, (held, charged) in result["accounting"].items():
         if held != charged:
             problems.append(f"{shard}: holds {held} bytes but charges {charged}")
+    if result["calm"]["errors"]:
+        problems.append(f"before any fault, operations failed: {result['calm']['by_status']}")
     for r in result["faults"]:
-        if r["recovery_s"] is None:
-            problems.append(f"{r['fault']}: not healthy within {RECOVERY_LIMIT_S:.0f} s")
+        problems += [f"{r['fault']}: {p}" for p in fault_problems(r)]
+    return problems
+
+
+def fault_problems(row: dict) -> list[str]:
+    """One fault's: no repair error, healthy again, every evidence group shown, no failure
+    with a status its window does not expect."""
+    problems = []
+    if row["repair_error"]:
+        problems.append(f"injection or repair failed: {row['repair_error']}")
+    if row["recovery_s"] is None:
+        problems.append(f"not healthy within {RECOVERY_LIMIT_S:.0f} s")
+    for group in row["required"]:
+        if not any(row["evidence"].get(name, 0) > 0 for name in group):
+            problems.append(f"no evidence it took effect ({' or '.join(group)}: 0)")
+    unexpected = {
+        k: v
+        for k, v in row["errors"].items()
+        if k not in row["allowed"] and not k.startswith("exception:")
+    }
+    if unexpected:
+        problems.append(f"operations failed with statuses it does not expect: {unexpected}")
     return problems
 
 
@@ -498,27 +688,22 @@ def main() -> int:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--hold", type=float, default=15.0, help="seconds each fault lasts")
     ap.add_argument("--faults", nargs="+", choices=sorted(FAULTS))
-    ap.add_argument("--sample", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"))
     args = ap.parse_args()
     faults = selected(args.faults)
-    config = LoadConfig(clients=args.clients, tenants=args.tenants, sample=args.sample)
+    config = LoadConfig(clients=args.clients, tenants=args.tenants)
     from decoder.loader import load_model
     from decoder.runner import ModelRunner
 
     model = load_model()
     runner = ModelRunner(model.config, model.weights)
-    disk_fs = 96 * MiB if any(f.name == "disk-full" for f in faults) else None
-    with chaos_deployment(config, disk_fs) as deployment:
+    own_disk = any(f.name == "disk-full" for f in faults)
+    with chaos_deployment(config, own_disk) as deployment:
         result = run(config, deployment, model, runner, faults, args.hold)
     print_table(result)
     problems = verdict(result)
-    tokens = result["tokens"]
-    print(
-        f"\nbytes verified {result['verified_bytes']}, lost {result['lost_bytes']}; "
-        f"generations checked {tokens['checked']}, wrong tokens {tokens['wrong_tokens']}; "
-        f"accounting {result['accounting']}"
-    )
+    print_checks(result)
+    print(f"accounting (held, charged) {result['accounting']}")
     for name in sorted(result["rss"]["end"]):
         start, end = result["rss"]["start"].get(name), result["rss"]["end"][name]
         print(f"{name:<10} RSS start {start} end {end}")

@@ -8,22 +8,28 @@ over `--tenants` tenants, then run operations back to back for `--seconds`:
   store's own paths are what is loaded): half the time one of the tenant's last few again
   (found stored: no new bytes), half the time a new one, which joins them (so new bytes
   keep arriving, and the tiers spill and evict as in production);
-- lookup: look one of the tenant's prefixes up (a hit must cover what was published);
+- lookup: look one of the tenant's prefixes up (it must cover what was published);
 - fetch: read one back and compare it bitwise with what was published (bytes verified);
 - generate: one of the tenant's prompts through a decoder in `full`, `vericache` or
   `lossy` mode (documents published through the decoder at start, plus uncached prompts
   the decoder prefills itself).
 
-After the run, a sample of the lossless generations (`--sample`) is decoded again in this
-process with full KV and compared token for token: any difference counts as wrong tokens.
-It prints, and writes as JSON: per operation p50/p95/p99 latency, count and throughput,
-errors by status code; bytes verified; wrong tokens and lost bytes (both must be 0); the
-RSS of every shard and decoder process at start and end (and its peak while sampled).
+After the run, every lossless generation is checked against full KV decoded in this
+process (one reference per prompt), token for token; and every prefix ever committed (its
+publish returned) is read back once. Loss is counted honestly (`Losses`): a read that
+finds less than was committed is a miss (status MISS, not an error); a miss is a loss
+unless the shards' own counters explain it (blobs evicted out of a shard, lost spills,
+corrupt copies dropped, files rejected at start-up: `explanations`). It prints, and writes
+as JSON: per operation p50/p95/p99 latency, count and throughput, errors by status code;
+bytes verified; misses, explained and not; wrong tokens; the RSS of every shard and
+decoder process at start and end (and its peak while sampled). It exits 1 unless
+`verdict` finds nothing wrong: no byte read back wrong, no wrong token, no unexplained
+miss, no error status, something verified and checked, every operation succeeding.
 
 `bench/chaos.py` runs the same load while it injects faults.
 
 Usage: python bench/load.py [--clients 64] [--tenants 4] [--seconds 600] [--decoders 1]
-       [--sample 16] [--out bench/results/load.json]
+       [--out bench/results/load.json]
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import textwrap
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,7 +61,7 @@ from decoder.progress import progress  # noqa: E402
 from decoder.service.client import DecoderClient  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
 from prefix_store.config import ClientConfig, MiB  # noqa: E402
-from prefix_store.errors import StoreError  # noqa: E402
+from prefix_store.errors import NotFound, StoreError  # noqa: E402
 from prefix_store.layout import KVLayout  # noqa: E402
 from prefix_store.metadata import Metadata  # noqa: E402
 from rpc.status import STORE  # noqa: E402
@@ -74,8 +80,6 @@ class LoadConfig:
     seconds: float = 600.0
     shards: int = 2
     decoders: int = 1
-    sample: int = 16
-    """Lossless generations checked against in-process full-KV decoding."""
     new_tokens: int = 8
     prefixes: int = 3
     """Store prefixes per tenant that the clients read and publish again (the latest)."""
@@ -90,15 +94,38 @@ class LoadConfig:
     seed: int = 0
 
 
+MISS = "MISS"
+"""The status of a read that found less than was committed: not an error, a miss (a loss
+unless explained: `Losses`)."""
+ANSWERED = ("OK", MISS)
+EXPLAINING = ("dropped", "lost_spills", "corrupt", "disk_rejected")
+"""Shard counters each of whose events can take one copy of a committed blob away."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """What one successful operation found."""
+
+    verified_bytes: int = 0
+    """Bytes read back equal to what was published."""
+    lost_bytes: int = 0
+    """Bytes read back different from what was published (CRC-clean, yet wrong)."""
+    missed: bool = False
+    """It found less of a committed prefix than was published (`MISS`)."""
+    missing_replicas: int = 0
+    """Chunk copies a publish could not place (its shard down)."""
+
+
 @dataclass
 class Outcome:
     op: str
     seconds: float
     status: str
-    """"OK", a gRPC status code name, or "exception:TypeName" (a bug)."""
+    """"OK", MISS, a gRPC status code name, or "exception:TypeName" (a bug)."""
     verified_bytes: int = 0
     lost_bytes: int = 0
     started: float = 0.0
+    missing_replicas: int = 0
 
 
 @dataclass
@@ -106,15 +133,18 @@ class Generation:
     prompt: list[int]
     mode: str
     tokens: list[int]
+    started: float = 0.0
 
 
 class Recorder:
-    """Every client's outcomes and lossless generations (thread-safe)."""
+    """Every client's outcomes and lossless generations, and the operations in flight
+    (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.outcomes: list[Outcome] = []
         self.generations: list[Generation] = []
+        self._in_flight: Counter[str] = Counter()
 
     def add(self, outcome: Outcome) -> None:
         with self._lock:
@@ -124,9 +154,86 @@ class Recorder:
         with self._lock:
             self.generations.append(generation)
 
-    def since(self, start: float) -> list[Outcome]:
+    def since(self, start: float, end: float = float("inf")) -> list[Outcome]:
         with self._lock:
-            return [o for o in self.outcomes if o.started >= start]
+            return [o for o in self.outcomes if start <= o.started < end]
+
+    @contextlib.contextmanager
+    def flying(self, op: str) -> Iterator[None]:
+        """Count `op` in flight while the block runs."""
+        with self._lock:
+            self._in_flight[op] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[op] -= 1
+
+    def in_flight(self, op: str) -> int:
+        with self._lock:
+            return self._in_flight[op]
+
+
+class Losses:
+    """Misses of committed prefixes, and what may explain them (thread-safe).
+
+    A prefix is committed once its publish returned. A read that finds less of it is a
+    miss. Each event that took a committed blob's copy away (`explain`: a shard's
+    `EXPLAINING` counters, a shard killed with blobs in memory, a fetch corrupted in
+    transit on every copy) explains at most one distinct missed prefix; the rest are
+    unexplained: lost. The bound is loose (a chunk has two copies), never the other way: a
+    run in which nothing took a copy away may miss nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.missed: dict[tuple[str, int], float] = {}
+        """(tenant, seed) -> when it was first found missing."""
+        self.explained_by: Counter[str] = Counter()
+
+    def miss(self, tenant: str, seed: int) -> None:
+        with self._lock:
+            self.missed.setdefault((tenant, seed), time.monotonic())
+
+    def explain(self, cause: str, count: int) -> None:
+        if count > 0:
+            with self._lock:
+                self.explained_by[cause] += count
+
+    def figures(self) -> dict:
+        with self._lock:
+            missed, explanations = len(self.missed), sum(self.explained_by.values())
+            return {
+                "missed_prefixes": missed,
+                "explanations": dict(self.explained_by),
+                "unexplained": max(0, missed - explanations),
+            }
+
+
+class ShardCounters:
+    """The growth of every shard's `EXPLAINING` counters over a run, across restarts: each
+    actor (a restarted shard is a new one) is read at `observe`; what it counted since its
+    last reading (since it started, for a new one) feeds `losses`."""
+
+    def __init__(self, deployment: Deployment, losses: Losses) -> None:
+        self.deployment = deployment
+        self.losses = losses
+        self._last: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def observe(self) -> dict[int, dict]:
+        """Read every live shard now; its stats by index."""
+        now = {}
+        for index, actor in list(self.deployment.actors.items()):
+            with contextlib.suppress(Exception):  # a shard being killed by chaos
+                now[index] = (actor, ray.get(actor.stats.remote(), timeout=30))
+        with self._lock:
+            for actor, stats in now.values():
+                key = actor._actor_id.hex()
+                before = self._last.get(key, {})
+                for name in EXPLAINING:
+                    self.losses.explain(name, stats.get(name, 0) - before.get(name, 0))
+                self._last[key] = stats
+        return {index: stats for index, (_, stats) in now.items()}
 
 
 def status_of(error: BaseException) -> str:
@@ -182,6 +289,53 @@ def prefix_of(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:
     return ids, torch.randn(shape, generator=g)
 
 
+class Reads:
+    """A tenant's store operations on its prefixes, checked against what it committed:
+    bitwise, and for coverage (a miss goes to `losses`)."""
+
+    def __init__(self, chunks: int, losses: Losses) -> None:
+        self.chunks = chunks
+        self.losses = losses
+
+    def publish(self, tenant: Tenant, seed: int, fresh: bool) -> Done:
+        """Publish the prefix of `seed` (new to the tenant when `fresh`, else one of its
+        committed ones again); once the publish returned it is committed."""
+        result = tenant.store.publish_prefix(*prefix_of(seed, self.chunks), LAYOUT)
+        if fresh:
+            tenant.add(seed)
+        return Done(missing_replicas=result.missing_replicas)
+
+    def lookup(self, tenant: Tenant, seed: int) -> Done:
+        """A lookup of a committed prefix, one token longer: it must cover the prefix."""
+        ids, _ = prefix_of(seed, self.chunks)
+        found = tenant.store.lookup(ids + [1], LAYOUT).tokens
+        return self.found(tenant, seed, found >= len(ids))
+
+    def verify(self, tenant: Tenant, seed: int) -> Done:
+        """Read a committed prefix back whole and compare it bitwise with what was
+        published. Found in part, or gone by the time of the fetch (NOT_FOUND): a miss."""
+        ids, kv = prefix_of(seed, self.chunks)
+        prefix = tenant.store.lookup(ids, LAYOUT)
+        if prefix.tokens < len(ids):
+            return self.found(tenant, seed, False)
+        shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, prefix.tokens, LAYOUT.head_dim)
+        k, v = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+        try:
+            tenant.store.fetch_layers(prefix, k, v)
+        except NotFound:
+            return self.found(tenant, seed, False)
+        same = torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+        nbytes = 2 * k.numel() * k.element_size()
+        return Done(verified_bytes=nbytes) if same else Done(lost_bytes=nbytes)
+
+    def found(self, tenant: Tenant, seed: int, whole: bool) -> Done:
+        """A read of a committed prefix that found it `whole`, or missed it."""
+        if whole:
+            return Done()
+        self.losses.miss(tenant.name, seed)
+        return Done(missed=True)
+
+
 class Workload:
     """What the clients of each tenant do, and the checks they make on the way."""
 
@@ -191,6 +345,10 @@ class Workload:
         self.model = model
         self.metadata = Metadata(deployment.redis_url)
         self.recorder = Recorder()
+        self.losses = Losses()
+        self.reads = Reads(config.prefix_chunks, self.losses)
+        self.counters = ShardCounters(deployment, self.losses)
+        self.counters.observe()  # the baseline: what the shards counted before the run
         self.tenants = [self._tenant(i) for i in range(config.tenants)]
 
     def decoders(self) -> list[str]:
@@ -212,13 +370,18 @@ class Workload:
         tenant = Tenant(name, token, store, deque(maxlen=self.config.prefixes), prompts)
         rng = random.Random(f"{self.config.seed}/{name}")
         for _ in range(self.config.prefixes):
-            seed = rng.getrandbits(62)
-            store.publish_prefix(*prefix_of(seed, self.config.prefix_chunks), LAYOUT)
-            tenant.add(seed)
+            self.reads.publish(tenant, rng.getrandbits(62), fresh=True)
         return tenant
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(timeout_s=30, stream_timeout_s=60, retries=3)
+
+    def events(self) -> Counter[str]:
+        """What the tenants' store clients met so far (failovers, unreachable shards)."""
+        total: Counter[str] = Counter()
+        for tenant in self.tenants:
+            total.update(tenant.store.events())
+        return total
 
     def stopped(self) -> bool:
         """Whether clients should stop before their deadline."""
@@ -245,57 +408,47 @@ class Workload:
         finally:
             decoder.close()
 
-    def run(
-        self, op: str, fn: Callable[[], tuple[int, int]], recorder: Recorder | None = None
-    ) -> None:
+    def run(self, op: str, fn: Callable[[], Done], recorder: Recorder | None = None) -> None:
         """Run one operation, its outcome recorded in `recorder` (default: the run's)."""
+        recorder = recorder or self.recorder
         started = time.monotonic()
         try:
-            verified, lost = fn()
-            outcome = Outcome(op, 0.0, "OK", verified, lost, started)
+            with recorder.flying(op):
+                done = fn()
+            status = MISS if done.missed else "OK"
+            outcome = Outcome(op, 0.0, status, done.verified_bytes, done.lost_bytes, started,
+                              done.missing_replicas)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - every failure is a figure
             outcome = Outcome(op, 0.0, status_of(error), started=started)
         outcome.seconds = time.monotonic() - started
-        (recorder or self.recorder).add(outcome)
+        recorder.add(outcome)
 
-    def publish(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
+    def publish(self, tenant: Tenant, rng: random.Random, _) -> Done:
         fresh = rng.random() < self.config.fresh
         seed = rng.getrandbits(62) if fresh else tenant.pick(rng)
-        tenant.store.publish_prefix(*prefix_of(seed, self.config.prefix_chunks), LAYOUT)
-        if fresh:
-            tenant.add(seed)
-        return 0, 0
+        return self.reads.publish(tenant, seed, fresh)
 
-    def lookup(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
-        ids, _ = prefix_of(tenant.pick(rng), self.config.prefix_chunks)
-        tenant.store.lookup(ids + [1], LAYOUT)
-        return 0, 0
+    def lookup(self, tenant: Tenant, rng: random.Random, _) -> Done:
+        return self.reads.lookup(tenant, tenant.pick(rng))
 
-    def fetch(self, tenant: Tenant, rng: random.Random, _) -> tuple[int, int]:
-        return self.verify(tenant, tenant.pick(rng))
+    def fetch(self, tenant: Tenant, rng: random.Random, _) -> Done:
+        return self.reads.verify(tenant, tenant.pick(rng))
 
-    def verify(self, tenant: Tenant, seed: int) -> tuple[int, int]:
-        """Read a prefix back: (bytes equal to what was published, bytes not). A prefix
-        found only in part (evicted, or a publish under way) is read as far as found."""
-        ids, kv = prefix_of(seed, self.config.prefix_chunks)
-        prefix = tenant.store.lookup(ids, LAYOUT)
-        if prefix.tokens == 0:
-            return 0, 0
-        shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, prefix.tokens, LAYOUT.head_dim)
-        k, v = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-        tenant.store.fetch_layers(prefix, k, v)
-        n = prefix.tokens
-        same = torch.equal(k, kv[:, 0, :, :n]) and torch.equal(v, kv[:, 1, :, :n])
-        nbytes = 2 * k.numel() * k.element_size()
-        return (nbytes, 0) if same else (0, nbytes)
-
-    def generate(self, tenant: Tenant, rng: random.Random, decoder) -> tuple[int, int]:
+    def generate(self, tenant: Tenant, rng: random.Random, decoder) -> Done:
         prompt = rng.choice(tenant.prompts)
         mode = rng.choice(MODES)
+        started = time.monotonic()
         reply = decoder.generate(token_ids=prompt, max_new_tokens=self.config.new_tokens, mode=mode)
         if mode in LOSSLESS:
-            self.recorder.generated(Generation(prompt, mode, list(reply.tokens)))
-        return 0, 0
+            self.recorder.generated(Generation(prompt, mode, list(reply.tokens), started))
+        return Done()
+
+    def sweep(self, recorder: Recorder | None = None) -> None:
+        """Read every prefix committed so far back once, each checked bitwise (outcomes
+        into `recorder`, default the run's)."""
+        for tenant in self.tenants:
+            for seed in tenant.everything():
+                self.run("fetch", lambda t=tenant, s=seed: self.reads.verify(t, s), recorder)
 
 
 # ---- running it ------------------------------------------------------------------------
@@ -387,33 +540,39 @@ def watch(workload: Workload, deadline: float, seconds: float, threads) -> None:
 def check_generations(
     workload: Workload,
     runner,
-    sample: int,
     generations: list[Generation] | None = None,
     references: dict[tuple[int, ...], list[int]] | None = None,
 ) -> dict:
-    """Decode a sample of the lossless generations (default: the run's) again with full KV,
-    here; `references` (prompt -> full-KV tokens) carries them from one call to the next."""
+    """Check every lossless generation (default: the run's) against full KV decoded again
+    here, token for token: one reference per distinct prompt, `references` (prompt ->
+    full-KV tokens) carrying them from one call to the next. `wrong_at`: when each
+    generation with a wrong token started (for fault windows)."""
     from decoder.generate import generate_full
 
-    seen: dict[tuple, list[Generation]] = defaultdict(list)
-    for g in workload.recorder.generations if generations is None else generations:
-        seen[(tuple(g.prompt), g.mode)].append(g)
-    picked = [gs[0] for gs in seen.values()][:sample]
-    picked += [g for gs in seen.values() for g in gs[1:]][: max(0, sample - len(picked))]
-    wrong = 0
-    eos = workload.model.eos_token_ids
+    picked = workload.recorder.generations if generations is None else generations
+    picked = [g for g in picked if g.mode in LOSSLESS]
     references = {} if references is None else references
-    for g in progress(picked, desc="checking generations", unit="gen"):
-        key = tuple(g.prompt)
-        if key not in references:
-            full = generate_full(
-                runner, [g.prompt], max_new_tokens=workload.config.new_tokens, eos_token_ids=eos
-            )
-            references[key] = full[0].tokens
-        ref = references[key]
-        wrong += sum(a != b for a, b in zip(g.tokens, ref, strict=False))
-        wrong += abs(len(g.tokens) - len(ref))
-    return {"checked": len(picked), "wrong_tokens": wrong, "generations": len(seen)}
+    eos = workload.model.eos_token_ids
+    for prompt in progress({tuple(g.prompt) for g in picked} - set(references),
+                           desc="full-KV references", unit="prompt"):  # fmt: skip
+        full = generate_full(
+            runner, [list(prompt)], max_new_tokens=workload.config.new_tokens, eos_token_ids=eos
+        )
+        references[prompt] = full[0].tokens
+    wrong, wrong_at = 0, []
+    for g in picked:
+        ref = references[tuple(g.prompt)]
+        here = sum(a != b for a, b in zip(g.tokens, ref, strict=False))
+        here += abs(len(g.tokens) - len(ref))
+        if here:
+            wrong += here
+            wrong_at.append(g.started)
+    return {
+        "checked": len(picked),
+        "wrong_tokens": wrong,
+        "wrong_at": wrong_at,
+        "prompts": len({tuple(g.prompt) for g in picked}),
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -432,22 +591,72 @@ def summarise(
     table = {}
     for op in operations:
         done = by_op.get(op, [])
-        ok = [o.seconds for o in done if o.status == "OK"]
+        ok = [o.seconds for o in done if o.status in ANSWERED]
         table[op] = {
             "count": len(done),
             "ok": len(ok),
+            "misses": sum(o.status == MISS for o in done),
             "per_s": len(ok) / seconds if seconds else 0.0,
             "p50_s": percentile(ok, 0.50),
             "p95_s": percentile(ok, 0.95),
             "p99_s": percentile(ok, 0.99),
-            "errors": dict(Counter(o.status for o in done if o.status != "OK")),
+            "errors": errors_of(done),
         }
     return {
         "operations": table,
         "verified_bytes": sum(o.verified_bytes for o in outcomes),
         "lost_bytes": sum(o.lost_bytes for o in outcomes),
-        "errors": dict(Counter(o.status for o in outcomes if o.status != "OK")),
+        "misses": sum(o.status == MISS for o in outcomes),
+        "errors": errors_of(outcomes),
     }
+
+
+def errors_of(outcomes: list[Outcome]) -> dict[str, int]:
+    """Failed operations by status (a miss answered: not an error)."""
+    return dict(Counter(o.status for o in outcomes if o.status not in ANSWERED))
+
+
+def integrity(summary: dict) -> list[str]:
+    """What every run must show (empty: it does): no byte read back wrong, no wrong token,
+    no unexplained miss, no operation failing with an exception (a bug), and something was
+    verified and checked at all."""
+    problems = []
+    if summary["lost_bytes"]:
+        problems.append(f"{summary['lost_bytes']} bytes read back wrong")
+    if not summary["verified_bytes"]:
+        problems.append("no byte was read back and verified")
+    tokens = summary["tokens"]
+    if tokens["wrong_tokens"]:
+        problems.append(f"{tokens['wrong_tokens']} wrong tokens")
+    if not tokens["checked"]:
+        problems.append("no lossless generation was checked against full KV")
+    losses = summary["losses"]
+    if losses["unexplained"]:
+        problems.append(
+            f"{losses['unexplained']} of {losses['missed_prefixes']} committed prefixes missed "
+            f"with nothing to explain it (explanations: {losses['explanations'] or 'none'})"
+        )
+    bugs = {k: v for k, v in summary["errors"].items() if k.startswith("exception:")}
+    if bugs:
+        problems.append(f"operations failed with an exception (a bug): {bugs}")
+    return problems
+
+
+def verdict(summary: dict, expected_errors: Collection[str] = ()) -> list[str]:
+    """What went wrong in a load run (empty: nothing): `integrity`, every operation
+    succeeding at least once, and no failure with a status outside `expected_errors`."""
+    problems = integrity(summary)
+    for op, row in summary["operations"].items():
+        if not row["ok"]:
+            problems.append(f"{op}: none of {row['count']} succeeded")
+    unexpected = {
+        k: v
+        for k, v in summary["errors"].items()
+        if k not in expected_errors and not k.startswith("exception:")
+    }
+    if unexpected:
+        problems.append(f"operations failed: {unexpected}")
+    return problems
 
 
 def print_table(summary: dict) -> None:
@@ -460,6 +669,18 @@ def print_table(summary: dict) -> None:
             f"{op:<10} {row['count']:>7} {row['per_s']:>7.2f} {row['p50_s']:>8.3f} "
             f"{row['p95_s']:>8.3f} {row['p99_s']:>8.3f}  {errors}"
         )
+
+
+def print_checks(summary: dict) -> None:
+    """The checks' figures: bytes, misses and what explains them, tokens."""
+    tokens, losses = summary["tokens"], summary["losses"]
+    print(
+        f"\nbytes verified {summary['verified_bytes']}, read back wrong {summary['lost_bytes']}; "
+        f"misses {summary['misses']} ({losses['missed_prefixes']} prefixes; explanations "
+        f"{losses['explanations'] or 'none'}; unexplained {losses['unexplained']}); "
+        f"lossless generations checked {tokens['checked']} over {tokens['prompts']} prompts, "
+        f"wrong tokens {tokens['wrong_tokens']}"
+    )
 
 
 @contextlib.contextmanager
@@ -486,15 +707,26 @@ def run(config: LoadConfig, deployment: Deployment, model, runner) -> dict:
     rss_start = processes.rss()
     processes.start()
     t0 = time.monotonic()
+    sweep = Recorder()
     try:
         drive(workload, config.seconds)
+        seconds = time.monotonic() - t0
+        workload.sweep(sweep)  # every committed prefix, read back once
     finally:
         processes.stop()
         workload.close()
-    seconds = time.monotonic() - t0
     rss_end = processes.rss()
+    workload.counters.observe()
     summary = summarise(workload.recorder.outcomes, seconds)
-    summary["tokens"] = check_generations(workload, runner, config.sample)
+    swept = summarise(sweep.outcomes, seconds, ("fetch",))
+    summary["sweep"] = {k: swept[k] for k in ("verified_bytes", "lost_bytes", "misses", "errors")}
+    summary["sweep"]["prefixes"] = len(sweep.outcomes)
+    for key in ("verified_bytes", "lost_bytes"):
+        summary[key] += swept[key]
+    for status, n in swept["errors"].items():
+        summary["errors"][status] = summary["errors"].get(status, 0) + n
+    summary["losses"] = workload.losses.figures()
+    summary["tokens"] = check_generations(workload, runner)
     summary["rss"] = {
         name: {
             "start": rss_start.get(name),
@@ -515,7 +747,6 @@ def main() -> int:
     ap.add_argument("--tenants", type=int, default=defaults.tenants)
     ap.add_argument("--seconds", type=float, default=defaults.seconds)
     ap.add_argument("--decoders", type=int, default=defaults.decoders)
-    ap.add_argument("--sample", type=int, default=defaults.sample)
     ap.add_argument("--out", type=Path, default=Path("bench/results/load.json"))
     args = ap.parse_args()
     config = LoadConfig(
@@ -523,7 +754,6 @@ def main() -> int:
         tenants=args.tenants,
         seconds=args.seconds,
         decoders=args.decoders,
-        sample=args.sample,
     )
     from decoder.loader import load_model
     from decoder.runner import ModelRunner
@@ -533,11 +763,7 @@ def main() -> int:
     with deployment_for(config) as deployment:
         summary = run(config, deployment, model, runner)
     print_table(summary)
-    tokens = summary["tokens"]
-    print(
-        f"\nbytes verified {summary['verified_bytes']}, lost {summary['lost_bytes']}; "
-        f"generations checked {tokens['checked']}, wrong tokens {tokens['wrong_tokens']}"
-    )
+    print_checks(summary)
     for name, rss in sorted(summary["rss"].items()):
         mib = {k: f"{v / 2**20:.0f} MiB" if v else "-" for k, v in rss.items()}
         print(
@@ -548,8 +774,9 @@ def main() -> int:
     record = {"config": asdict(config), "machine": platform.platform(), **summary}
     args.out.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")
-    healthy = summary["lost_bytes"] == 0 and tokens["wrong_tokens"] == 0
-    return 0 if healthy else 1
+    problems = verdict(summary)
+    print("PASS" if not problems else "FAIL: " + "; ".join(problems))
+    return 0 if not problems else 1
 
 
 if __name__ == "__main__":

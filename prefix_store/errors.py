@@ -48,6 +48,11 @@ class DataLoss(StoreError):
     """Stored bytes failed their checksum; the chunk has been dropped (now a miss)."""
 
 
+class CorruptInTransit(DataLoss):
+    """Bytes arrived different from the checksum sent with them: corrupted on the way, the
+    stored copy untouched (the client reads a replica). Its status is DATA_LOSS."""
+
+
 class KernelMismatch(StoreError):
     """A shard cannot compute attention partials with the caller's kernel (it has none, or
     another one, whose bits would differ): the caller pulls the KV instead."""

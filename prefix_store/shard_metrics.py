@@ -107,6 +107,8 @@ class _ShardCollector(Collector):
         yield received
         yield _counter("stored_bytes", "Bytes of puts new to this shard.", stats["stored_bytes"])
         yield _counter("evictions", "Blobs evicted from the memory tier.", stats["evictions"])
+        yield _counter("dropped", "Blobs evicted out of the shard (no tier had room).",
+                       stats["dropped"])  # fmt: skip
         faults = CounterMetricFamily(
             f"{PREFIX}_faults", "Faults survived, by kind.", labels=["kind"]
         )

@@ -125,6 +125,10 @@ class AsyncStoreClient:
         """As `StoreClient.suspects`."""
         return self.core.suspects()
 
+    def events(self) -> dict[str, int]:
+        """As `StoreClient.events`."""
+        return self.core.events()
+
     # ---- membership and unary calls -------------------------------------------------------
 
     async def describe(self) -> Topology:

@@ -11,6 +11,11 @@ with UNAVAILABLE, DATA_LOSS (corrupt at rest or in transit) or NOT_FOUND continu
 first incomplete layer on the next replica of its chunks; with no replica left the fetch
 fails NotFound when every copy was missing or corrupt, else Unavailable. Every other
 status fails the call at once. Thread-safe.
+
+What a client met is counted (`ClientCore.events`, `StoreClient.events()`): shards found
+unreachable, and fetch failovers by their cause (`failover.Unavailable`,
+`failover.DataLoss`, `failover.CorruptInTransit`, `failover.NotFound`, ...). They are
+figures for the application and for chaos runs' evidence, never data.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -216,6 +222,17 @@ class ClientCore:
         self._lock = threading.Lock()
         self._refreshed = -math.inf
         self._due = -math.inf
+        self._events: Counter[str] = Counter()
+
+    def count(self, event: str) -> None:
+        """Record that this client met `event` (see the module's docstring)."""
+        with self._lock:
+            self._events[event] += 1
+
+    def events(self) -> dict[str, int]:
+        """What this client met since it was made, by event."""
+        with self._lock:
+            return dict(self._events)
 
     @property
     def topology(self) -> Topology | None:
@@ -263,6 +280,7 @@ class ClientCore:
         now = time.monotonic() if now is None else now
         self._quarantine.add(shard_id, now)
         with self._lock:
+            self._events["unreachable"] += 1
             self._due = min(self._due, self._refreshed + self.config.min_refresh_s)
 
     def suspects(self, now: float | None = None) -> frozenset[str]:
@@ -515,6 +533,7 @@ class FetchRoute:
             self.assembly.fail(typed(error))
             return []
         log.warning("fetch: %s failed (%s); continuing from a replica", stream.shard_id, cause)
+        self.core.count(f"failover.{type(cause).__name__}")
         if isinstance(cause, Unavailable):
             self.core.failed(stream.shard_id)
         resume = self.assembly.first_missing_layer(stream.chunks)

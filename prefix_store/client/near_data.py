@@ -35,6 +35,7 @@ from prefix_store.client.core import ClientCore, exhausted, failover_error
 from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, group_by_owner
 from prefix_store.client.retry import rpc_error
 from prefix_store.errors import (
+    CorruptInTransit,
     DataLoss,
     InvalidArgument,
     KernelMismatch,
@@ -114,6 +115,7 @@ class AttendRoute:
         cause = failover_error(error)
         if cause is None:
             raise typed_error(error) from error
+        self.core.count(f"failover.{type(cause).__name__}")
         if isinstance(cause, Unavailable):
             self.core.failed(part.shard_id)
         return self._spread(part.chunks, part.failed | {part.shard_id}, cause)
@@ -205,7 +207,7 @@ class AttendRoute:
                 f"expected layer {query.layer} with {(scores, scores, scores * d)}"
             )
         if crc32c(response.acc, crc32c(response.l, crc32c(response.m))) != response.crc32c:
-            raise DataLoss(
+            raise CorruptInTransit(
                 f"attend: partials of layer {query.layer} from {part.shard_id} arrived "
                 "corrupted (CRC-32C mismatch in transit)"
             )

@@ -14,7 +14,14 @@ import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.blob import crc32c
-from prefix_store.errors import Aborted, DataLoss, InvalidArgument, NotFound, Unavailable
+from prefix_store.errors import (
+    Aborted,
+    CorruptInTransit,
+    DataLoss,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.layout import KVLayout
 from prefix_store.protocol import wire
@@ -331,10 +338,10 @@ def runs(chunks: Sequence[ChunkPlan]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def corrupt_in_transit(chunk: ChunkPlan, layer: int) -> DataLoss:
+def corrupt_in_transit(chunk: ChunkPlan, layer: int) -> CorruptInTransit:
     """A fetched segment whose bytes differ from the checksum stored with them: the
     client's failover reads the segment from a replica (or the prefix is a miss)."""
-    return DataLoss(
+    return CorruptInTransit(
         f"fetch: layer {layer} of chunk {chunk.key:016x} arrived corrupted "
         "(CRC-32C mismatch in transit)"
     )
@@ -618,5 +625,5 @@ class ArtifactReceipt:
         """The artifact's bytes; DataLoss when they differ from the checksum sent."""
         data = b"".join(self.parts)
         if self.crc is None or crc32c(data) != self.crc:
-            raise DataLoss("fetch_artifact: the artifact arrived corrupted")
+            raise CorruptInTransit("fetch_artifact: the artifact arrived corrupted")
         return data

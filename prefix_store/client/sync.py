@@ -140,6 +140,10 @@ class StoreClient:
         """Shards that failed within the last `quarantine_s`."""
         return self.core.suspects()
 
+    def events(self) -> dict[str, int]:
+        """Failovers by cause and shards found unreachable, since this client was made."""
+        return self.core.events()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._conn.take():

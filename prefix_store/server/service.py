@@ -152,6 +152,8 @@ class Service:
             "received_bytes": stats.received_bytes,
             "stored_bytes": stats.stored_bytes,
             "evictions": stats.evictions,
+            "dropped": stats.dropped,
+            "memory_blobs": len(self.shard.memory),
             "leased_chunks": counts["leased"],
             # Faults survived: blobs that failed their checksum, evicted blobs lost to a
             # failed disk write, disk write errors, unusable files dropped at start-up.

@@ -73,6 +73,7 @@ class Placement:
             if self.disk.capacity and self.disk.fits(blob.nbytes):
                 self._write(blob)
             else:
+                self.stats.dropped += 1
                 self._gone(blob)
 
     def _write(self, blob: Blob) -> None:
@@ -80,5 +81,6 @@ class Placement:
         and stage the blob's write."""
         for dropped in self.disk.make_room(blob.nbytes):
             if dropped.id not in self.memory:
+                self.stats.dropped += 1
                 self._gone(dropped)
         self.disk.write(blob)

@@ -35,6 +35,9 @@ class ShardStats:
     stored_bytes: int = 0
     """Of which new to this shard."""
     evictions: int = 0
+    dropped: int = 0
+    """Blobs that left the shard without a delete: evicted from memory with no room on disk,
+    or from the disk tier to make room (a later read misses them: the cache's choice)."""
     corrupt: int = 0
     scrubbed_bytes: int = 0
     """Bytes at rest the scrubber re-checked (`prefix_store.scrub`)."""

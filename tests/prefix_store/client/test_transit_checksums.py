@@ -46,6 +46,7 @@ def test_a_segment_corrupted_in_transit_is_read_from_a_replica(store, metadata, 
         assert faults.fired == fired + 1
         assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])  # bitwise, no NaN left
         assert served(store) - before > LAYOUT.chunk_bytes(len(TOKENS))  # some read twice
+        assert client.events() == {"failover.CorruptInTransit": 1}  # what the client met
 
 
 @pytest.mark.parametrize("data_plane", [True, False], ids=["data-plane", "grpc"])
@@ -76,8 +77,11 @@ def test_the_async_client_checks_segments_too(store, metadata, faults):
             prefix = (await client.publish_prefix(TOKENS, kv, LAYOUT)).prefix
             faults.arm(1)
             k, v = empty(LAYOUT, prefix.tokens)
-            return [layer async for layer in client.iter_layers(prefix, k, v)], k, v
+            order = [layer async for layer in client.iter_layers(prefix, k, v)]
+            return order, k, v, client.events()
 
-    order, k, v = asyncio.run(scenario())
-    assert faults.fired >= 1 and sorted(order) == list(range(LAYOUT.num_layers))
+    fired = faults.fired
+    order, k, v, events = asyncio.run(scenario())
+    assert faults.fired == fired + 1 and sorted(order) == list(range(LAYOUT.num_layers))
+    assert events == {"failover.CorruptInTransit": 1}
     assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
