@@ -58,6 +58,7 @@ from bench_remote import (  # noqa: E402
     _measure,
     _publish,
     _server,
+    identical_cell,
     source_text,
     suffix,
     tokens_per_s_range,
@@ -250,7 +251,7 @@ def fmt_row(row: dict) -> str:
         f"{row['link']:9s} {row['workload']:8s} {row['mode']:14s} {row['tokens_per_s']:7.2f} "
         f"{tokens_per_s_range(row):>13s} {ratio:>7s} {row['p50_s']:6.1f} {row['p95_s']:6.1f} "
         f"{acc:>7s} {wire_text:>9s} {wire_ms:>7s} {shard_ms:>8s} {pull} {stall} {hidden:>6s} "
-        f"{row['identical'] or 'reference'}"
+        f"{identical_cell(row)}"
     )
 
 

@@ -35,9 +35,10 @@ near-data, queries and partials); the near-data passes' time per pass waiting on
 ("wire", round trips and shard compute) and the shards' compute within it; peak decoder KV
 bytes (budget accounting); the DESIGN.md section 10 bound (full-KV step time over draft
 step time, measured in the same run, times the fraction of drafted tokens accepted); and
-identical-to-full per request. Figures are medians over `--repeats` (3) runs, each on a
-fresh decoder; the table gives the range of tok/s over the runs ("min-max") and the JSON
-every figure's under "spread" (bench/stats.py).
+identical-to-full per request ("reference" on the full row, never compared with itself).
+Figures are medians over `--repeats` (3) runs, each on a fresh decoder; the table gives the
+range of tok/s over the runs ("min-max") and the JSON every figure's under "spread"
+(bench/stats.py).
 
 Besides the JSON it draws, beside it (bench/plots.py): `remote-budget.png` (tok/s vs KV
 budget per mode), `remote-bytes.png` (bytes on the wire per token per mode) and
@@ -382,13 +383,20 @@ def _per_pass(replies, key: str) -> float:
 
 
 def _finish_row(row: dict, reference: dict | None) -> None:
+    """Compare `row` with the full-KV `reference` row of its workload and budget (None when
+    no full mode ran): its tok/s ratio, how many requests' tokens equal the reference's
+    ("7/8") and, for vericache modes, the DESIGN.md section 10 bound. The reference itself
+    is never compared with itself: its "identical" is None (`identical_cell`: "reference")."""
     if reference is None:
         row.update(ratio=None, identical=None, bound=None)
         return
     row["ratio"] = row["tokens_per_s"] / reference["tokens_per_s"]
+    row["bound"] = None
+    if row is reference:
+        row["identical"] = None
+        return
     same = [a == b for a, b in zip(row["tokens"], reference["tokens"], strict=True)]
     row["identical"] = f"{sum(same)}/{len(same)}"
-    row["bound"] = None
     if row["mode"].startswith("vericache") and row["draft_step_s"] and reference["full_step_s"]:
         # a draft forward gives `drafts_per_draft_step` drafts (more than one with n-gram)
         per_draft_s = row["draft_step_s"] / max(1.0, row["drafts_per_draft_step"])
@@ -419,8 +427,16 @@ def _fmt_row(row: dict) -> str:
         f"{row['tokens_per_s']:7.2f} {tokens_per_s_range(row):>13s} {ratio:>7s} "
         f"{row['p50_s']:6.1f} {row['p95_s']:6.1f} {acc:>7s} {per_fwd:>6s} "
         f"{_mb(row['wire_per_token']):>10s} {wire:>7s} {shard:>8s} "
-        f"{_mb(row['peak_kv_bytes']):>9s} {bound:>6s} {share:>6s} {row['identical'] or 'reference'}"
+        f"{_mb(row['peak_kv_bytes']):>9s} {bound:>6s} {share:>6s} {identical_cell(row)}"
     )
+
+
+def identical_cell(row: dict) -> str:
+    """A row's identical-to-full cell: "reference" for the full-KV row, which is never
+    compared with itself; else how many requests equal it ("7/8"), "-" when no full mode ran."""
+    if row["mode"] == "full":
+        return "reference"
+    return row["identical"] or "-"
 
 
 def tokens_per_s_range(row: dict) -> str:
