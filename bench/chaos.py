@@ -387,8 +387,12 @@ def disk_corrupt(chaos: Chaos) -> Repair:
 
 
 def transit_corrupt(chaos: Chaos) -> Repair:
+    """Corrupt the next layers leaving each shard; the workload reads everything back at
+    once (so that its clients, not only the decoders' own, meet some) and again at the
+    repair."""
     actors = list(chaos.deployment.actors.values())
     before = sum(ray.get([a.inject_transit_faults.remote(8) for a in actors], timeout=30))
+    chaos.workload.sweep()
 
     def repair() -> dict[str, int]:
         chaos.workload.sweep()

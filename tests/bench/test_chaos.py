@@ -26,7 +26,7 @@ def test_faults_under_load_prove_themselves_lose_nothing_and_recover(builtin_mod
     with chaos_deployment(config, own_disk) as deployment:
         result = run(config, deployment, builtin_model, builtin_runner, faults, hold_s=4)
     problems = verdict(result)
-    assert problems == [], json.dumps(result["faults"], indent=1)
+    assert problems == [], f"{problems}\n{json.dumps(result['faults'], indent=1)}"
     assert [r["fault"] for r in result["faults"]] == [f.name for f in faults]
     evidence = {r["fault"]: r["evidence"] for r in result["faults"]}
     assert evidence["transit-corrupt"]["transit_detected"] > 0
