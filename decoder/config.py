@@ -47,8 +47,12 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
+    """The longest context the runner computes this model correctly for: the model's own
+    limit, or its sliding attention window when that is shorter (`from_hf`)."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False
+    """The q, k and v projections carry biases (Qwen2)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -82,14 +86,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict of a Llama-family model."""
+        """Build from a Hugging Face `config.json` dict of a Llama-family model (Llama,
+        Mistral, Qwen2). Every architectural feature the runner does not implement is
+        refused by name (ValueError), never ignored: biases other than Qwen2's q/k/v ones,
+        activations other than SiLU, rope types other than default and llama3."""
         model_type = hf.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
             raise ValueError(
                 f"unsupported model_type {model_type!r}: expected a Llama-family model"
             )
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("models with attention or MLP biases are not supported")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"{flag}: models with these biases are not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: expected 'silu'")
         heads = hf["num_attention_heads"]
@@ -106,10 +114,22 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             rope=_rope_from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            max_position_embeddings=_context_limit(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always have biases
         )
+
+
+def _context_limit(hf: dict[str, Any]) -> int:
+    """The model's context limit, capped at its sliding attention window (Mistral's
+    `sliding_window`; Qwen2's when `use_sliding_window`): the runner attends every key, which
+    equals sliding-window attention only while the context fits in the window."""
+    limit = hf.get("max_position_embeddings", 8192)
+    window = hf.get("sliding_window")
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window"):
+        window = None
+    return min(limit, window) if window else limit
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:

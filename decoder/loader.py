@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -243,13 +244,38 @@ def _weight_files(folder: Path):
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(SafetensorsFile(f)) for f in files]
         where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118
+        used: set[str] = set()
 
         def get(key: str) -> torch.Tensor:
             if key not in where:
                 raise ModelLoadError(f"{folder}: weight {key!r} not found in safetensors files")
+            used.add(key)
             return where[key].get_tensor(key)
 
         yield config, get
+        if used:  # the caller read the weights: every one must have been used
+            _check_all_used(folder, config, where, used)
+
+
+DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+"""Buffers older checkpoints carry that the runner computes itself (the rotary frequencies)."""
+
+
+def _check_all_used(folder: Path, config: ModelConfig, where: dict, used: set[str]) -> None:
+    """ModelLoadError naming the weights in `folder` the runner did not use: a weight
+    ignored is a model computed wrongly (Qwen2's q/k/v biases once were). A tied LM head
+    stored anyway is accepted when it equals the embedding."""
+    unused = sorted(k for k in set(where) - used if not DERIVED.fullmatch(k))
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    tied = config.tie_word_embeddings and head in unused and embed in where
+    if tied and torch.equal(where[head].get_tensor(head), where[embed].get_tensor(embed)):
+        unused.remove(head)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ModelLoadError(
+            f"{folder}: the runner does not use weight(s) {shown}: this architecture has a "
+            "feature it does not implement"
+        )
 
 
 class SafetensorsFile:

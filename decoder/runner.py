@@ -156,8 +156,7 @@ class ModelRunner:
         for t in (w.embed, w.final_norm, w.lm_head):
             count(t)
         for layer in w.layers:
-            for t in (layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm, layer.w_gate_up,
-                      layer.w_down):  # fmt: skip
+            for t in layer.tensors():
                 count(t)
         for linear in [self.lm_head] + [f for layer in self.layers for f in layer.linears]:
             count(linear.weight)
@@ -268,6 +267,8 @@ class ModelRunner:
         c = self.config
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
         qkv = w.wqkv(h)  # [rows, (H + 2*KVH) * D]
+        if w.bqkv is not None:
+            qkv = qkv + w.bqkv  # elementwise: a row's bits do not depend on the others
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = qkv[:, :q_dim].view(-1, c.num_heads, c.head_dim)
         k = qkv[:, q_dim : q_dim + kv_dim].view(-1, c.num_kv_heads, c.head_dim)
@@ -527,7 +528,7 @@ class _PackedLayer:
     the exact fp32 `Linear` by default, a low-precision one for the drafter)."""
 
     def __init__(self, w: LayerWeights, linear: Callable[[torch.Tensor], LinearFn] = Linear):
-        self.attn_norm, self.mlp_norm = w.attn_norm, w.mlp_norm
+        self.attn_norm, self.mlp_norm, self.bqkv = w.attn_norm, w.mlp_norm, w.bqkv
         self.wqkv, self.wo = linear(w.wqkv), linear(w.wo)
         self.w_gate_up, self.w_down = linear(w.w_gate_up), linear(w.w_down)
 

@@ -84,8 +84,7 @@ def _cache_path(key: tuple, weights: ModelWeights) -> Path:
     for name in SOURCES:
         digest.update((root / name).read_bytes())
     for layer in weights.layers[:CHECKED_LAYERS]:
-        for tensor in (layer.attn_norm, layer.wqkv, layer.wo, layer.mlp_norm, layer.w_gate_up,
-                       layer.w_down):  # fmt: skip
+        for tensor in layer.tensors():
             digest.update(tensor.detach().contiguous().numpy().tobytes())
     return kernel_cache_dir() / "selfcheck" / f"{digest.hexdigest()[:32]}.json"
 

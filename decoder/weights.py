@@ -20,6 +20,12 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [d]
     w_gate_up: torch.Tensor  # [2 * I, d]: gate and up projections stacked
     w_down: torch.Tensor  # [d, I]
+    bqkv: torch.Tensor | None = None  # [(H + 2*KVH) * D]: q, k, v biases (Qwen2), or none
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the block."""
+        own = (self.attn_norm, self.wqkv, self.wo, self.mlp_norm, self.w_gate_up, self.w_down)
+        return own if self.bqkv is None else (*own, self.bqkv)
 
     def without_linears(self) -> LayerWeights:
         """The block's norms alone (empty tensors for its matrices)."""
@@ -51,14 +57,7 @@ class ModelWeights:
         if self.lm_head.data_ptr() != self.embed.data_ptr():
             tensors.append(self.lm_head)
         for layer in self.layers:
-            tensors += [
-                layer.attn_norm,
-                layer.wqkv,
-                layer.wo,
-                layer.mlp_norm,
-                layer.w_gate_up,
-                layer.w_down,
-            ]
+            tensors += layer.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -96,6 +95,11 @@ def layers_from_hf_state(
             mlp_norm=_f32(get, p + "post_attention_layernorm.weight"),
             w_gate_up=torch.cat([_f32(get, p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
             w_down=_f32(get, p + "mlp.down_proj.weight"),
+            bqkv=(
+                torch.cat([_f32(get, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                if config.qkv_bias
+                else None
+            ),
         )
         yield layer
 
@@ -116,6 +120,9 @@ def check_shapes(config: ModelConfig, embed, layers, lm_head) -> None:
         "w_gate_up": ((2 * c.intermediate_size, c.hidden_size), layers[0].w_gate_up.shape),
         "w_down": ((c.hidden_size, c.intermediate_size), layers[0].w_down.shape),
     }
+    if c.qkv_bias:
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        expected["bqkv"] = ((qkv_rows,), layers[0].bqkv.shape)
     for name, (want, got) in expected.items():
         if tuple(got) != want:
             raise ValueError(f"weight {name} has shape {tuple(got)}, config implies {want}")
@@ -140,6 +147,7 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.05) -> M
             mlp_norm=norm(),
             w_gate_up=rnd(2 * c.intermediate_size, c.hidden_size),
             w_down=rnd(c.hidden_size, c.intermediate_size),
+            bqkv=rnd((c.num_heads + 2 * c.num_kv_heads) * c.head_dim) if c.qkv_bias else None,
         )
         for _ in range(c.num_layers)
     )
