@@ -66,6 +66,9 @@ class Member:
     """Its own report (every caller's requests), from its Info."""
     refused: bool = False
     """It refused the internal credential (its Info unread until it accepts it)."""
+    model_id: str = ""
+    """Its identity domain from its Info: the model and the exact kernel whose bits its tokens
+    have ("" until its Info was read)."""
     in_flight: int = 0
     """Requests this router has on it now."""
     routed: int = 0
@@ -103,6 +106,13 @@ class Members:
         for member in gone:
             self._out(member, "it left the deployment")
             member.channel.close()
+
+    def model_id(self, endpoint: str) -> str:
+        """A decoder's identity domain ("" unknown: its Info not read yet, or no credential
+        to read it with)."""
+        with self._lock:
+            member = self._members.get(endpoint)
+            return member.model_id if member is not None else ""
 
     def loads(self) -> dict[str, Load]:
         """The healthy decoders and their load."""
@@ -214,6 +224,7 @@ class Members:
             self._refused(member, error.code())
             return member.reported
         member.refused = False
+        member.model_id = info.model_id
         return load_of(info)
 
     def _refused(self, member: Member, code: grpc.StatusCode) -> None:

@@ -12,6 +12,11 @@ or a stream that ended without its final event), one the router cut (out, or sil
 CANCELLED), a deadline, a decoder busy before the first token (RESOURCE_EXHAUSTED), or an
 INTERNAL error. Anything else is the request's own failure (a bad argument, an unknown
 token, a prefix that cannot be served) and reaches the caller as the decoder said it.
+Once tokens were streamed, a request moves only within its identity domain: to a decoder
+whose Info names the same model id (the model and its exact kernel, `store_source.
+kv_layout`) as the one that streamed them, since another kernel's tokens may differ in a
+near-tie and would end the stream in DATA_LOSS. (A decoder whose Info the router cannot
+read, having no internal credential, is not filtered; the check above still holds.)
 A request is failed only when no decoder is left to try, or after `max_attempts`: as
 RESOURCE_EXHAUSTED (with the decoder's own message and `retry-after-ms` when it sent one)
 when a decoder refused it as busy or over its budget, else UNAVAILABLE.
@@ -75,13 +80,15 @@ class Relay:
         self.text = ""
         self.decoders: list[str] = []
         """Where each attempt went, in order."""
+        self.domain = ""
+        """The model id of the decoder that streamed the first tokens ("" before, or unknown)."""
 
     def events(self) -> Iterator[dpb.GenerateEvent]:
         tried: set[str] = set()
         last: Forwarded | None = None
         refused: Forwarded | None = None
         while len(self.decoders) < self.max_attempts:
-            decoder = next((d for d in self.order() if d not in tried), None)
+            decoder = next((d for d in self.order() if d not in tried and self._may(d)), None)
             if decoder is None:
                 break
             tried.add(decoder)
@@ -106,10 +113,17 @@ class Relay:
         if refused is not None:  # busy or over budget: waiting may help, another node not
             raise refused
         why = f"{last.code.name}: {last.details}" if last else "no decoder is live"
+        if self.domain:
+            why += f"; after its first tokens only decoders of model id {self.domain!r} may go on"
         raise Forwarded(
             grpc.StatusCode.UNAVAILABLE,
             f"no decoder could serve the request after {len(self.decoders)} attempt(s) ({why})",
         )
+
+    def _may(self, decoder: str) -> bool:
+        """Whether the request may go to `decoder`: anywhere before its first tokens, then
+        only within their identity domain."""
+        return not self.domain or self.members.model_id(decoder) == self.domain
 
     def _moves(self, failure: Forwarded) -> bool:
         if failure.code in MOVE:
@@ -129,6 +143,8 @@ class Relay:
                     for event in call:
                         if event.HasField("tokens"):
                             watch.heard()
+                            if not self.sent:
+                                self.domain = self.members.model_id(decoder)
                             got.extend(event.tokens.ids)
                             text += event.tokens.text
                             fresh = self._fresh(got, text)
