@@ -17,7 +17,6 @@ from prefix_store.blob import crc32c
 from prefix_store.errors import (
     Aborted,
     CorruptInTransit,
-    DataLoss,
     InvalidArgument,
     NotFound,
     Unavailable,

@@ -111,9 +111,9 @@ def receive(
     """Redeem `ticket` (a `redemption`) at `address` and write layers [layer_from, end) of
     `chunks` into the assembly, each layer checked against the CRC-32C stored with it.
     Socket failures raise Unavailable; an in-band error raises DataLoss (corrupt on the
-    shard) or NotFound; bytes corrupted in transit raise CorruptInTransit (a DataLoss). `track` receives an
-    object whose `cancel()` cuts the connection, so that nothing is written into the
-    outputs after a cancel. `tls`: see `connect`."""
+    shard) or NotFound; bytes corrupted in transit raise CorruptInTransit (a DataLoss).
+    `track` receives an object whose `cancel()` cuts the connection, so that nothing is
+    written into the outputs after a cancel. `tls`: see `connect`."""
     layout = assembly.prefix.layout
     layers = assembly.layer_end - layer_from
     expected = sum(layout.segment_bytes(c.tokens) for c in chunks)
