@@ -75,6 +75,7 @@ from bench.load import (  # noqa: E402
     check_generations,
     errors_of,
     integrity,
+    prefix_of,
     print_checks,
     summarise,
 )
@@ -88,7 +89,7 @@ from prefix_store.metadata import Metadata  # noqa: E402
 RECOVERY_LIMIT_S = 180.0
 BITE_S = 60.0
 """How much longer than its hold a fault that needs traffic to show (a full disk) is kept,
-at most, waiting for that traffic."""
+at most, while traffic of its own (`Chaos.push`) makes it show."""
 OUTAGE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 """What calls to a component that is down or hung may fail with."""
 
@@ -223,6 +224,19 @@ class Chaos:
     def shard_disk(self, index: int) -> Path:
         return Path(self.deployment.config.state_dir) / "shards" / f"shard-{index}"
 
+    def push(self, seconds: float) -> None:
+        """Publish new prefixes of a tenant of its own for `seconds` (failures expected):
+        traffic that fills the memory tiers, so that they spill to disk now."""
+        token = self.metadata.add_tenant(f"pusher-{os.getpid()}-{time.monotonic_ns()}")
+        config = ClientConfig(timeout_s=5, stream_timeout_s=10, retries=1)
+        deadline = time.monotonic() + seconds
+        with StoreClient(self.workload.endpoints(), token, config) as client:
+            while time.monotonic() < deadline:
+                seed = random.getrandbits(62)
+                with contextlib.suppress(Exception):
+                    client.publish_prefix(*prefix_of(seed, self.workload.config.prefix_chunks),
+                                          LAYOUT)  # fmt: skip
+
     # ---- health ----------------------------------------------------------------------
 
     def healthy(self) -> bool:
@@ -337,7 +351,7 @@ def disk_full(chaos: Chaos) -> Repair:
         while not (failed := chaos.grew(before, "disk_write_errors")):
             if time.monotonic() > deadline:
                 break
-            time.sleep(0.5)
+            chaos.push(1.0)
         lost = chaos.grew(before, "lost_spills")
         filler.unlink()
         return {"disk_write_errors": failed, "lost_spills": lost}
