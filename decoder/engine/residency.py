@@ -190,11 +190,19 @@ class Residency:
             raise
         group.charged += extra
         group.local = True
+        self.drop_near(group)  # a local copy: no pass attends on the shards it replaced
         return True
 
     def fall_back_to_pull(self, group: PrefixGroup, error: BaseException) -> None:
         """Near-data attention of the group failed beyond its replicas: its passes pull."""
         log.warning("near-data attention failed (%s); the prefix's passes pull it instead", error)
+        self.drop_near(group)
+
+    def drop_near(self, group: PrefixGroup) -> None:
+        """The group's passes no longer attend near the data; its head's bytes go back to
+        the budget. (A group recomputed locally must drop it: its near-data session reads
+        the store's copy, whose source the group no longer has, so a later failure there
+        could not be traced back to the group.)"""
         group.near = None
         self.budget.release(group.near_charged)  # its head goes with it
         group.charged -= group.near_charged
