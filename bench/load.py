@@ -717,14 +717,12 @@ def run(config: LoadConfig, deployment: Deployment, model, runner) -> dict:
         workload.close()
     rss_end = processes.rss()
     workload.counters.observe()
-    summary = summarise(workload.recorder.outcomes, seconds)
+    summary = summarise(workload.recorder.outcomes, seconds)  # the timed operations
     swept = summarise(sweep.outcomes, seconds, ("fetch",))
     summary["sweep"] = {k: swept[k] for k in ("verified_bytes", "lost_bytes", "misses", "errors")}
     summary["sweep"]["prefixes"] = len(sweep.outcomes)
-    for key in ("verified_bytes", "lost_bytes"):
-        summary[key] += swept[key]
-    for status, n in swept["errors"].items():
-        summary["errors"][status] = summary["errors"].get(status, 0) + n
+    totals = summarise(workload.recorder.outcomes + sweep.outcomes, seconds)  # every check
+    summary |= {k: totals[k] for k in ("verified_bytes", "lost_bytes", "errors")}
     summary["losses"] = workload.losses.figures()
     summary["tokens"] = check_generations(workload, runner)
     summary["rss"] = {

@@ -7,7 +7,6 @@ a same-domain decoder beside, it is continued there without a gap."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
@@ -22,34 +21,19 @@ from prefix_store.config import ClientConfig
 from prefix_store.errors import Unavailable
 from tests.decoder.router.test_router import client_salt, documents, owner
 from tests.decoder.service.conftest import serve
-from tests.prefix_store.conftest import Store
+from tests.decoder.test_hf_models import tiny
 from tests.waiting import eventually
 
 NEW = 24
 
 
-@pytest.fixture
-def store(metadata, redis_server, tmp_path):
-    store = Store(redis_server.url, tmp_path)
-    store.start()
-    yield store
-    store.close()
-
-
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory, builtin_model):
     """A tiny random Llama with the built-in tokenizer: another identity domain."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("other-model")
-    config = LlamaConfig(vocab_size=builtin_model.config.vocab_size, hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, eos_token_id=2, bos_token_id=1)  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(builtin_model.path / name, folder / name)
+    tiny(LlamaConfig, LlamaForCausalLM, folder, builtin_model)
     return load_model(folder)
 
 

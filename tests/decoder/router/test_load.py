@@ -19,7 +19,6 @@ from decoder.router.policies import Load, make_policy
 from decoder.router.policies.affinity import rendezvous
 from rpc.server import grpc_server
 from tests.decoder.service.conftest import serve
-from tests.prefix_store.conftest import Store
 from tests.waiting import eventually
 
 SERVICE = "vericache.v1.Decoder"
@@ -46,14 +45,6 @@ class StandIn:
         if not self.credential.matches(token.removeprefix("Bearer ")):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: unknown token")
         return self.info
-
-
-@pytest.fixture
-def store(metadata, redis_server, tmp_path):
-    store = Store(redis_server.url, tmp_path)
-    store.start()
-    yield store
-    store.close()
 
 
 @pytest.fixture

@@ -20,17 +20,8 @@ from decoder.service.client import DecoderClient, GenerateReply
 from prefix_store.config import ClientConfig
 from prefix_store.errors import NotFound, Unauthenticated
 from tests.decoder.service.conftest import serve
-from tests.prefix_store.conftest import Store
 
 NEW = 12
-
-
-@pytest.fixture
-def store(metadata, redis_server, tmp_path):
-    store = Store(redis_server.url, tmp_path)
-    store.start()
-    yield store
-    store.close()
 
 
 @pytest.fixture

@@ -1,0 +1,16 @@
+"""Router fixtures: the store its decoders serve from."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.prefix_store.conftest import Store
+
+
+@pytest.fixture
+def store(metadata, redis_server, tmp_path):
+    """One shard on loopback, over the session's Redis."""
+    store = Store(redis_server.url, tmp_path)
+    store.start()
+    yield store
+    store.close()
