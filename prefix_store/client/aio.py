@@ -169,8 +169,10 @@ class AsyncStoreClient:
         """The longest cached prefix of `tokens` in `namespace` (tokens == 0 on a miss)."""
         await self._fresh()
         lookup = self.core.plan_lookup(tokens, layout, namespace)
-        calls = (self._unary(a, "Lookup", r) for a, r, _ in lookup.calls)
-        return lookup.result(await asyncio.gather(*calls))
+        while lookup.calls:
+            calls = (outcome(self._unary(c.attempts, "Lookup", c.request)) for c in lookup.calls)
+            self.core.answered(lookup, await asyncio.gather(*calls))
+        return lookup.result()
 
     # ---- publish --------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 from vericache.v1 import prefix_store_pb2 as pb
@@ -46,6 +46,7 @@ from prefix_store.client.plan import (
     cached_prefix,
     fetch_request,
     group_by_owner,
+    held_chunks,
     lanes,
     lookup_request,
     placement,
@@ -100,23 +101,60 @@ class PublishResult:
 
 
 @dataclass(frozen=True, slots=True)
+class LookupCall:
+    shard_id: str
+    """The owner asked (the attempts go on to the chunks' other owners if it is down)."""
+    attempts: Attempts
+    request: pb.LookupRequest
+    chunks: list[ChunkPlan]
+
+
+@dataclass(slots=True)
 class Lookup:
-    """A planned lookup: its chunks and one call per best owner."""
+    """A lookup, in rounds (`ClientCore.plan_lookup`, then `ClientCore.answered` per round
+    until `calls` is empty). The first round asks each chunk's best owner. An owner may lack
+    a chunk that a replica still holds (a restart lost its memory tier, a corrupt copy was
+    dropped, an eviction), so each later round makes one call: the first chunk not yet found
+    whole, with the later ones not found, to an owner of it that has not answered for it.
+    It ends when every chunk is found or that first chunk's owners have all answered: a
+    cold miss costs one more call per further replica."""
 
     namespace: str
     layout: KVLayout
+    ids: list[int]
     chunks: list[ChunkPlan]
-    calls: list[tuple[Attempts, pb.LookupRequest, list[ChunkPlan]]]
-    """(attempts over the chunks' owners, request, its chunks)"""
+    calls: list[LookupCall] = field(default_factory=list)
+    """This round's calls; empty once the lookup is done."""
+    rounds: int = 0
+    found: dict[int, ChunkPlan] = field(default_factory=dict)
+    """Chunk index -> the most of it an owner holds (whole, or a partial chunk)."""
+    answered: dict[int, set[str]] = field(default_factory=dict)
+    """Chunk index -> the owners that said whether they hold it."""
 
-    def result(self, responses: Sequence[pb.LookupResponse]) -> CachedPrefix:
-        """The cached prefix, from each call's response (in `calls` order)."""
-        answers = {
-            c.index: response
-            for (_, _, group), response in zip(self.calls, responses, strict=True)
-            for c in group
-        }
-        return cached_prefix(self.namespace, self.layout, self.chunks, answers)
+    def result(self) -> CachedPrefix:
+        """The cached prefix found so far (all of it once `calls` is empty)."""
+        return cached_prefix(self.namespace, self.layout, self.chunks, self.found)
+
+    def first_missing(self) -> ChunkPlan | None:
+        """The first chunk not found whole."""
+        return next((c for c in self.chunks if not self.whole(c)), None)
+
+    def whole(self, chunk: ChunkPlan) -> bool:
+        held = self.found.get(chunk.index)
+        return held is not None and held.tokens >= chunk.tokens
+
+    def take(self, call: LookupCall, response: pb.LookupResponse | StoreError) -> None:
+        """One call's answer (a failed call answers nothing it was asked)."""
+        if isinstance(response, StoreError):
+            held, answered = {}, {c.index for c in call.chunks}
+        else:
+            held, answered = held_chunks(call.chunks, response)
+        for index in answered:
+            self.answered.setdefault(index, set()).add(call.shard_id)
+        for index, chunk in held.items():
+            before = self.found.get(index)
+            if before is None or chunk.tokens > before.tokens:
+                self.found[index] = chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,15 +351,54 @@ class ClientCore:
     # ---- lookup ---------------------------------------------------------------------------
 
     def plan_lookup(self, tokens, layout: KVLayout, namespace: str) -> Lookup:
-        """One Lookup per best owner, each with its attempts over the chunks' owners."""
+        """A lookup's first round: one call per best owner, each with its attempts over the
+        chunks' owners (see `Lookup`)."""
         ids = validate_tokens(tokens)
         chunks = plan_chunks(ids, layout, self.topology.salt(namespace))
-        calls = []
+        lookup = Lookup(namespace, layout, ids, chunks)
         for shard_id, group in self.groups(chunks, frozenset()).items():
             others = [s for s in self.topology.owners(group[0].parent) if s != shard_id]
             attempts = Attempts(self.config, [shard_id, *self.healthy_first(others)], self.failed)
-            calls.append((attempts, lookup_request(ids, layout, namespace, group), group))
-        return Lookup(namespace, layout, chunks, calls)
+            lookup.calls.append(self._lookup_call(lookup, shard_id, attempts, group))
+        return lookup
+
+    def answered(self, lookup: Lookup, responses: Sequence[pb.LookupResponse | StoreError]) -> None:
+        """A round's responses (in `lookup.calls` order; the StoreError of a failed call):
+        the first round's failure fails the lookup; a later one's answers nothing, and the
+        lookup returns what the others found. Plans the next round into `lookup.calls`."""
+        if lookup.rounds == 0:
+            for response in responses:
+                if isinstance(response, StoreError):
+                    raise response
+        for call, response in zip(lookup.calls, responses, strict=True):
+            lookup.take(call, response)
+        lookup.rounds += 1
+        lookup.calls = self._next_lookup_call(lookup)
+
+    def _next_lookup_call(self, lookup: Lookup) -> list[LookupCall]:
+        first = lookup.first_missing()
+        if first is None:
+            return []
+        avoided = self.avoided()
+
+        def unasked(chunk: ChunkPlan) -> list[str]:
+            done = lookup.answered.get(chunk.index, set())
+            return [s for s in self.topology.owners(chunk.parent) if s not in done | avoided]
+
+        candidates = unasked(first)
+        if not candidates:
+            return []
+        shard_id = candidates[0]
+        chunks = [
+            c
+            for c in lookup.chunks[lookup.chunks.index(first) :]
+            if not lookup.whole(c) and shard_id in unasked(c)
+        ]
+        return [self._lookup_call(lookup, shard_id, self.attempts([shard_id]), chunks)]
+
+    def _lookup_call(self, lookup: Lookup, shard_id: str, attempts, chunks) -> LookupCall:
+        request = lookup_request(lookup.ids, lookup.layout, lookup.namespace, chunks)
+        return LookupCall(shard_id, attempts, request, chunks)
 
     def delete_request(self, tokens, layout: KVLayout, namespace: str) -> pb.DeleteRequest:
         return pb.DeleteRequest(

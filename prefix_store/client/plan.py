@@ -535,30 +535,47 @@ def lookup_request(
     )
 
 
-def cached_prefix(
-    namespace: str, layout: KVLayout, chunks: Sequence[ChunkPlan], answers: dict
-) -> CachedPrefix:
-    """The leading chunks the owners hold (`answers`: chunk index -> LookupResponse), plus
-    the longest stored partial chunk that starts the first one they lack."""
-    cached: list[ChunkPlan] = []
-    for chunk in chunks:
-        response = answers[chunk.index]
-        proofs = dict(zip(response.present, response.proofs, strict=False))
-        if chunk.index in set(response.present):
-            cached.append(replace(chunk, proof=proof_of(proofs.get(chunk.index))))
+def held_chunks(
+    group: Sequence[ChunkPlan], response: pb.LookupResponse
+) -> tuple[dict[int, ChunkPlan], set[int]]:
+    """What one owner's Lookup of `group` said: chunk index -> the chunk as that owner holds
+    it (whole, or the longest stored partial chunk that starts it), and the indices it
+    answered for (those it holds, and the first it lacks: a shard stops there)."""
+    present = set(response.present)
+    proofs = dict(zip(response.present, response.proofs, strict=False))
+    held: dict[int, ChunkPlan] = {}
+    answered: set[int] = set()
+    for chunk in sorted(group, key=lambda c: c.index):
+        answered.add(chunk.index)
+        if chunk.index in present:
+            held[chunk.index] = replace(chunk, proof=proof_of(proofs.get(chunk.index)))
             continue
         if response.partial_tokens and response.partial_index == chunk.index:
-            cached.append(
-                ChunkPlan(
-                    chunk.index,
-                    response.partial_key,
-                    chunk.parent,
-                    chunk.start,
-                    response.partial_tokens,
-                    proof_of(response.partial_proof),
-                )
+            held[chunk.index] = ChunkPlan(
+                chunk.index,
+                response.partial_key,
+                chunk.parent,
+                chunk.start,
+                response.partial_tokens,
+                proof_of(response.partial_proof),
             )
         break
+    return held, answered
+
+
+def cached_prefix(
+    namespace: str, layout: KVLayout, chunks: Sequence[ChunkPlan], found: dict[int, ChunkPlan]
+) -> CachedPrefix:
+    """The leading chunks found whole (`found`: chunk index -> the chunk as held), plus the
+    partial chunk found where they stop, if any."""
+    cached: list[ChunkPlan] = []
+    for chunk in chunks:
+        held = found.get(chunk.index)
+        if held is None:
+            break
+        cached.append(held)
+        if held.tokens < chunk.tokens:
+            break
     return CachedPrefix(namespace, layout, sum(c.tokens for c in cached), tuple(cached))
 
 

@@ -197,8 +197,13 @@ class StoreClient:
         """The longest cached prefix of `tokens` in `namespace` (tokens == 0 on a miss)."""
         self._fresh()
         lookup = self.core.plan_lookup(tokens, layout, namespace)
-        jobs = [self._pool.submit(self._unary, a, "Lookup", r) for a, r, _ in lookup.calls]
-        return lookup.result([job.result() for job in jobs])
+        while lookup.calls:
+            jobs = [
+                self._pool.submit(outcome, self._unary, c.attempts, "Lookup", c.request)
+                for c in lookup.calls
+            ]
+            self.core.answered(lookup, [job.result() for job in jobs])
+        return lookup.result()
 
     # ---- publish --------------------------------------------------------------------------
 

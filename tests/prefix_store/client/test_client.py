@@ -15,6 +15,7 @@ from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound
 from prefix_store.layout import KVLayout
 from tests.prefix_store.conftest import LAYOUT, random_kv
+from tests.waiting import eventually
 
 BIG = KVLayout(
     "test-model@1", "float32", num_layers=8, num_kv_heads=4, head_dim=64, chunk_tokens=256
@@ -120,6 +121,38 @@ def test_with_no_replica_left_a_fetch_fails_clearly(store, metadata):
         k, v = empty(LAYOUT, 40)
         with pytest.raises(Exception, match="unavailable|no live shard|tried"):
             client.fetch_layers(prefix, k, v)
+
+
+def test_chunks_their_best_owner_lost_are_found_on_a_replica(store, metadata, tmp_path):
+    """A shard back with an empty disk (its host replaced) is the best owner of some chunks:
+    the lookup asks their other owner, finds the whole prefix (sync and asyncio clients),
+    the fetch reads it bitwise, and a cold miss still answers 0."""
+    store.start("shard-0")
+    store.start("shard-1")
+    token = metadata.add_tenant("alice")
+    tokens = list(range(3000, 3000 + 16 * 12 + 5))
+    kv = random_kv(LAYOUT, len(tokens), seed=7)
+    with store.client(token) as client:
+        published = client.publish_prefix(tokens, kv, LAYOUT).prefix
+    store.stop("shard-0")
+    store.start("shard-0", disk_dir=tmp_path / "new-disk")
+    with store.client(token) as client:
+        assert eventually(lambda: len(client.stats()) == 2)
+        owners = [client.topology.owners(c.parent)[0] for c in published.chunks]
+        assert "shard-0" in owners[: len(owners) // 2]  # it leads the lookup of some chunks
+        assert [s.chunks for s in client.stats()] == [0, len(published.chunks)]
+        prefix = client.lookup(tokens, LAYOUT)
+        assert prefix.tokens == len(tokens) and prefix.key == published.key
+        k, v = empty(LAYOUT, prefix.tokens)
+        client.fetch_layers(prefix, k, v)
+        assert torch.equal(k, kv[:, 0]) and torch.equal(v, kv[:, 1])
+        assert client.lookup(list(range(50, 90)), LAYOUT).tokens == 0
+
+    async def asynchronously():
+        async with await AsyncStoreClient.connect(store.endpoints, token) as client:
+            return await client.lookup(tokens, LAYOUT)
+
+    assert asyncio.run(asynchronously()).tokens == len(tokens)
 
 
 def test_bad_outputs_and_inputs_are_invalid_arguments(store, metadata):
