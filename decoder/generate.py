@@ -39,48 +39,93 @@ def generate_full(
     request stops at its first EOS token (which is included) or after `max_new_tokens`
     tokens. In exact mode a request's tokens do not depend on the batch.
     """
+    samplings = [sampling or SamplingParams()]
+    return generate_full_each(
+        runner,
+        prompts,
+        samplings,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        mode=mode,
+    )[0]
+
+
+def generate_full_each(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    samplings: Sequence[SamplingParams],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    mode: Mode = "exact",
+) -> list[list[GenerationResult]]:
+    """`generate_full` of the prompts under each of `samplings` (results[s][i]: prompt i
+    under samplings[s]), with one prefill per prompt: its KV is copied for every further
+    sampling, and all of them decode in one batch. The tokens are those of a
+    `generate_full` call per sampling (in exact mode a request's tokens do not depend on
+    the batch); the timings are shared."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if not samplings:
+        raise ValueError("at least one sampling is needed")
     if mode == "exact":
         runner.ensure_exact_supported()  # once per process; kept out of the timings below
     eos = set(eos_token_ids)
-    sampler = Sampler(sampling or SamplingParams())
-    caches = [runner.new_cache(capacity=len(p) + max_new_tokens) for p in prompts]
     t0 = time.perf_counter()
+    prefilled, last = _prefill(runner, prompts, max_new_tokens, mode)
+    prefill_s = time.perf_counter() - t0
+    samplers = [Sampler(s) for s in samplings]
+    caches = [
+        c if s == 0 else c.clone(max_new_tokens) for s in range(len(samplers)) for c in prefilled
+    ]
+    choose = [sampler for sampler in samplers for _ in prompts]
+    outputs = [[choose[j].choose(last[j % len(prompts)], 0)] for j in range(len(caches))]
+    t1 = time.perf_counter()
+    steps = _decode(runner, caches, outputs, choose, eos, max_new_tokens, mode)
+    decode_s = time.perf_counter() - t1
+    results = []
+    for s, sampler in enumerate(samplers):
+        mine = outputs[s * len(prompts) : (s + 1) * len(prompts)]
+        results.append(
+            [
+                _result(out, eos, prompt, prefill_s, decode_s, steps, sampler.params)
+                for out, prompt in zip(mine, prompts, strict=True)
+            ]
+        )
+    return results
+
+
+def _prefill(runner, prompts, max_new_tokens, mode) -> tuple[list, list]:
+    """Every prompt's KV cache (with room for the new tokens) and its last logits."""
+    caches = [runner.new_cache(capacity=len(p) + max_new_tokens) for p in prompts]
     logits = runner.forward(
         [SeqInput.extend(c, p) for c, p in zip(caches, prompts, strict=True)], mode
     )
-    prefill_s = time.perf_counter() - t0
-    outputs: list[list[int]] = [[sampler.choose(lg[-1], 0)] for lg in logits]
+    return caches, [lg[-1] for lg in logits]
+
+
+def _decode(runner, caches, outputs, samplers, eos, max_new_tokens, mode) -> int:
+    """One token per step for every live sequence until each is finished; the steps."""
     live = [i for i, out in enumerate(outputs) if not _finished(out, eos, max_new_tokens)]
     steps = 0
-    t1 = time.perf_counter()
     while live:
         logits = runner.forward([SeqInput.extend(caches[i], outputs[i][-1:]) for i in live], mode)
         steps += 1
         for i, lg in zip(live, logits, strict=True):
-            outputs[i].append(sampler.choose(lg[-1], len(outputs[i])))
+            outputs[i].append(samplers[i].choose(lg[-1], len(outputs[i])))
         live = [i for i in live if not _finished(outputs[i], eos, max_new_tokens)]
-    decode_s = time.perf_counter() - t1
-    results = [
-        _result(out, eos, prompt, prefill_s, decode_s, steps)
-        for out, prompt in zip(outputs, prompts, strict=True)
-    ]
-    if not sampler.params.greedy:
-        for r in results:
-            r.stats["seed"] = sampler.params.seed
-    return results
+    return steps
 
 
 def _finished(out: list[int], eos: set[int], max_new_tokens: int) -> bool:
     return out[-1] in eos or len(out) >= max_new_tokens
 
 
-def _result(out, eos, prompt, prefill_s, decode_s, steps) -> GenerationResult:
+def _result(out, eos, prompt, prefill_s, decode_s, steps, params) -> GenerationResult:
     total = prefill_s + decode_s
-    return GenerationResult(
+    result = GenerationResult(
         tokens=out,
         stop_reason="eos" if out[-1] in eos else "length",
         stats={
@@ -92,3 +137,6 @@ def _result(out, eos, prompt, prefill_s, decode_s, steps) -> GenerationResult:
             "tokens_per_s": round(len(out) / total, 3) if total > 0 else 0.0,
         },
     )
+    if not params.greedy:
+        result.stats["seed"] = params.seed
+    return result

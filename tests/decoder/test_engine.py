@@ -14,7 +14,7 @@ import pydoc
 import pytest
 
 from decoder.engine import Engine, EngineConfig, Request, prefill_prefix, split_prompt
-from decoder.generate import generate_full
+from decoder.generate import generate_full, generate_full_each
 from decoder.sampling import SamplingParams
 
 COMPRESSORS = [
@@ -68,19 +68,11 @@ def workload(builtin_model, builtin_runner):
     prompts = _prompts(builtin_model)
     eos = builtin_model.eos_token_ids
     split = [split_prompt(builtin_runner, p, observe=128) for p in prompts]
-    refs = {
-        sampling: [
-            r.tokens
-            for r in generate_full(
-                builtin_runner,
-                prompts,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_ids=eos,
-                sampling=sampling,
-            )
-        ]
-        for sampling in (SamplingParams(), SAMPLING)
-    }
+    samplings = (SamplingParams(), SAMPLING)
+    each = generate_full_each(
+        builtin_runner, prompts, samplings, max_new_tokens=NEW_TOKENS, eos_token_ids=eos
+    )
+    refs = {s: [r.tokens for r in results] for s, results in zip(samplings, each, strict=True)}
     return split, refs
 
 

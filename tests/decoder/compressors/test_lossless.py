@@ -17,7 +17,7 @@ import pytest
 
 from decoder.compressors.registry import REGISTRY
 from decoder.engine import Engine, EngineConfig, Request, split_prompt
-from decoder.generate import generate_full
+from decoder.generate import generate_full_each
 from decoder.sampling import SamplingParams
 
 PROMPT_TOKENS = 320
@@ -31,12 +31,10 @@ def reference(builtin_model, builtin_runner):
     sampling: computed once, shared by every compressor."""
     prompt = builtin_model.encode(inspect.getsource(difflib))[:PROMPT_TOKENS]
     eos = builtin_model.eos_token_ids
-    want = {
-        s: generate_full(
-            builtin_runner, [prompt], max_new_tokens=NEW_TOKENS, eos_token_ids=eos, sampling=s
-        )[0].tokens
-        for s in SAMPLINGS
-    }
+    each = generate_full_each(
+        builtin_runner, [prompt], SAMPLINGS, max_new_tokens=NEW_TOKENS, eos_token_ids=eos
+    )
+    want = {s: results[0].tokens for s, results in zip(SAMPLINGS, each, strict=True)}
     return split_prompt(builtin_runner, prompt), want
 
 
