@@ -7,16 +7,42 @@ includes reading the full prefix), each charged at the request's share of the ba
 work, and each draft as accepted with the request's own measured probability `a` until the
 first rejection, so a round yields `1 + a + a^2 + ... + a^x` tokens on average. It picks the
 `x` that maximises tokens per second under the costs measured so far in this engine.
+
+A model fed only by what it chose can lock itself out: once it picks plain exact steps
+(`x = 0`), no draft step or acceptance is measured again. So a request that has not drafted
+for `PROBE_EVERY` rounds drafts `PROBE_HORIZON` tokens once (a probe) whatever the model
+says: at most one round in `PROBE_EVERY + 1` of a request that the model keeps on exact
+steps, each costing a couple of draft forwards.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 START_HORIZON = 8
 """Auto's horizon before any round has been measured."""
+PROBE_EVERY = 8
+"""Rounds without drafting after which a request probes (drafts `PROBE_HORIZON`) once."""
+PROBE_HORIZON = 2
+
+Reason = Literal["fixed", "start", "draft", "exact", "probe"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A round's horizon and why (a request's stats count its rounds by `reason`)."""
+
+    horizon: int
+    reason: Reason
+    """fixed: the request's own horizon; start: nothing measured yet (`START_HORIZON`);
+    draft / exact: the cost model's best is drafting `horizon` > 0 tokens / plain exact
+    steps; probe: the model said exact steps, but the request had not drafted for
+    `PROBE_EVERY` rounds."""
+    gain: float | None = None
+    """The model's expected speed of this horizon over plain exact steps (1.0: as fast; None
+    where no model decided: fixed, start)."""
 
 
 @dataclass
@@ -31,12 +57,15 @@ class Acceptance:
     successes: float = 2.8
     trials: float = 4.0
     decay: float = 0.9
+    idle: int = 0
+    """Rounds since the request last drafted."""
 
     PRIOR_SUCCESSES: ClassVar[float] = 2.8
     PRIOR_TRIALS: ClassVar[float] = 4.0
 
     def record(self, drafted: int, accepted: int) -> None:
         """One round: `accepted` of `drafted` drafts matched before the first mismatch."""
+        self.idle = self.idle + 1 if drafted == 0 else 0
         if drafted == 0:
             self.successes = self.successes * self.decay + self.PRIOR_SUCCESSES * (1 - self.decay)
             self.trials = self.trials * self.decay + self.PRIOR_TRIALS * (1 - self.decay)
@@ -114,23 +143,31 @@ class HorizonPolicy:
         self.fixed = horizon
         self.max_horizon = max_horizon
 
-    def choose(self, acceptance: Acceptance, costs: CostModel, drafts_per_step: float = 1.0) -> int:
+    def choose(
+        self, acceptance: Acceptance, costs: CostModel, drafts_per_step: float = 1.0
+    ) -> Choice:
         """The horizon for a request's next round; `drafts_per_step` (>= 1) is how many
         drafts one draft forward gives it (n-gram guesses make it more than one)."""
         if self.fixed is not None:
-            return self.fixed
+            return Choice(self.fixed, "fixed")
         verify = costs.verify_costs()
         if verify is None or costs.draft_share_s is None:
-            return min(START_HORIZON, self.max_horizon)
-        per_request, per_token = verify
-        rate = acceptance.rate
-        best, best_speed, expected, power = 0, 0.0, 1.0, 1.0
+            return Choice(min(START_HORIZON, self.max_horizon), "start")
+        speeds = self._speeds(acceptance.rate, costs.draft_share_s, *verify, drafts_per_step)
+        best = max(range(len(speeds)), key=lambda x: (speeds[x], -x))
+        if best == 0 and acceptance.idle >= PROBE_EVERY:
+            probe = min(PROBE_HORIZON, self.max_horizon)
+            return Choice(probe, "probe", speeds[probe] / speeds[0])
+        return Choice(best, "draft" if best else "exact", speeds[best] / speeds[0])
+
+    def _speeds(self, rate, draft_share_s, per_request, per_token, drafts_per_step) -> list:
+        """Expected tokens per second of a round at each horizon 0 .. max_horizon."""
+        speeds, expected, power = [], 1.0, 1.0
         for x in range(self.max_horizon + 1):
             if x:
                 power *= rate
                 expected += power
             steps = -(-x // max(1.0, drafts_per_step)) if x else 0  # ceil: forwards it takes
-            seconds = steps * costs.draft_share_s + per_request + per_token * (x + 1)
-            if expected / seconds > best_speed:
-                best, best_speed = x, expected / seconds
-        return best
+            seconds = steps * draft_share_s + per_request + per_token * (x + 1)
+            speeds.append(expected / seconds)
+        return speeds

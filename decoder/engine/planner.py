@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from decoder.engine.state import Running
 from decoder.engine.stats import EngineStats
-from decoder.horizon import CostModel, HorizonPolicy
+from decoder.horizon import Choice, CostModel, HorizonPolicy
 from decoder.staging import RingStats
 
 
@@ -39,15 +39,19 @@ class RoundPlanner:
 
         Requests that should verify together again keep one automatic horizon (the median of
         their own choices): the requests over one prefix always (one pulled copy serves
-        them), and all of them when verifications are aligned rather than staggered."""
+        them), and all of them when verifications are aligned rather than staggered. Each
+        request's stats count its own choice's reason (`RequestStats.chose`)."""
         stagger = self.staggering()
         together: dict[int, list[Running]] = {}
         for r in members:
             together.setdefault(id(r.group) if stagger else 0, []).append(r)
         for rs in together.values():
             auto = [self.policy.choose(r.acceptance, self.costs, r.yields.per_step) for r in rs]
-            common = int(statistics.median(auto))
-            for r in rs:
+            common = int(statistics.median(c.horizon for c in auto))
+            for r, choice in zip(rs, auto, strict=True):
+                if r.req.horizon is not None:
+                    choice = Choice(r.req.horizon, "fixed")
+                r.stats.chose(choice)
                 horizon = common if r.req.horizon is None else r.req.horizon
                 self._plan_round(r, start, horizon, stagger, running)
 

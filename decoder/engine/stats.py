@@ -37,6 +37,16 @@ class RequestStats:
     prefill_s: float = 0.0
     rounds: Counter = field(default_factory=Counter)
     """Verifications by the number of drafts they accepted."""
+    policy: Counter = field(default_factory=Counter)
+    """Rounds planned by the reason of their horizon (`decoder.horizon.Choice.reason`)."""
+    gain: float | None = None
+    """The horizon policy's expected speed over plain exact steps, at its latest choice."""
+
+    def chose(self, choice) -> None:
+        """A round was planned with `choice` (a `decoder.horizon.Choice`)."""
+        self.policy[choice.reason] += 1
+        if choice.gain is not None:
+            self.gain = choice.gain
 
     def record_round(self, drafted: int, accepted: int) -> None:
         self.verifications += 1
@@ -56,6 +66,8 @@ class RequestStats:
             "tokens_per_verification": round((generated - 1) / v, 3),
             "drafts_per_draft_step": round(self.drafted / max(1, self.draft_steps), 3),
             "accepted_histogram": {str(k): n for k, n in sorted(self.rounds.items())},
+            "policy": dict(sorted(self.policy.items())),
+            "modelled_gain": None if self.gain is None else round(self.gain, 3),
         }
 
     def ngram(self) -> dict[str, int]:

@@ -14,11 +14,13 @@ import threading
 import time
 import weakref
 from collections import deque
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from decoder.horizon import Reason
 from prefix_store.metrics import TenantLabels
 from rpc.metrics import RpcMetrics
 
@@ -95,6 +97,16 @@ class DecoderMetrics:
             registry=r,
             buckets=(0, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9),
         )
+        self.rounds = Counter(
+            f"{PREFIX}_rounds_total",
+            "Draft/verify rounds of finished vericache requests by why their horizon was "
+            "chosen: fixed, start, draft (the cost model drafts), exact (it takes plain exact "
+            "steps), probe (drafting again to measure it).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in get_args(Reason):
+            self.rounds.labels(reason)
         self.audits = Counter(
             f"{PREFIX}_audits_total",
             "Shadow identity checks (--audit-rate): identical, mismatch, error, or skipped "
@@ -119,6 +131,9 @@ class DecoderMetrics:
         for accepted, rounds in stats.get("accepted_histogram", {}).items():
             for _ in range(int(rounds)):
                 self.accepted.observe(int(accepted))
+        for reason, rounds in stats.get("policy", {}).items():
+            if reason in get_args(Reason):
+                self.rounds.labels(reason).inc(int(rounds))
         if stats.get("draft_steps"):
             self.draft.observe(stats["draft_s"] / stats["draft_steps"])
         if stats.get("verifications"):

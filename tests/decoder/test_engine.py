@@ -317,6 +317,9 @@ def test_chat_request_stops_at_eos_like_full(builtin_model, builtin_runner):
             builtin_model.eos_token_ids,
         ).run([Request(prefix, suffix, 60)])[0]
         assert got.tokens == want.tokens and got.stop_reason == "eos"
+        policy = got.stats["policy"]  # each round's horizon says why it was chosen
+        assert sum(policy.values()) == got.stats["verifications"]
+        assert set(policy) == {"fixed"} if horizon else policy["start"] == 1
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from decoder.horizon import START_HORIZON, Acceptance, CostModel, DraftYield, HorizonPolicy
+from decoder.horizon import (
+    PROBE_EVERY,
+    PROBE_HORIZON,
+    START_HORIZON,
+    Acceptance,
+    Choice,
+    CostModel,
+    DraftYield,
+    HorizonPolicy,
+)
 
 
 def costs(draft_share: float, per_request: float, per_token: float) -> CostModel:
@@ -27,24 +36,24 @@ def test_fit_recovers_per_request_and_per_token_costs():
 
 
 def test_fixed_horizon_is_fixed_and_auto_starts_at_the_default():
-    assert HorizonPolicy(5).choose(Acceptance(), CostModel()) == 5
-    assert HorizonPolicy(None).choose(Acceptance(), CostModel()) == START_HORIZON
+    assert HorizonPolicy(5).choose(Acceptance(), CostModel()) == Choice(5, "fixed")
+    assert HorizonPolicy(None).choose(Acceptance(), CostModel()) == Choice(START_HORIZON, "start")
 
 
 def test_high_acceptance_and_costly_verification_draft_long():
     good = acceptance([(16, 16)] * 6)
-    assert HorizonPolicy(None, 32).choose(good, costs(0.02, 0.5, 0.015)) >= 24
+    assert HorizonPolicy(None, 32).choose(good, costs(0.02, 0.5, 0.015)).horizon >= 24
 
 
 def test_low_acceptance_drafts_short():
     poor = acceptance([(8, 0), (8, 1), (8, 0), (8, 2)])
-    assert HorizonPolicy(None, 32).choose(poor, costs(0.02, 0.5, 0.015)) <= 3
+    assert HorizonPolicy(None, 32).choose(poor, costs(0.02, 0.5, 0.015)).horizon <= 3
 
 
 def test_expensive_drafts_relative_to_verification_shorten_the_horizon():
     good = acceptance([(16, 12)] * 6)
-    cheap = HorizonPolicy(None, 32).choose(good, costs(0.01, 0.5, 0.01))
-    dear = HorizonPolicy(None, 32).choose(good, costs(0.2, 0.05, 0.01))
+    cheap = HorizonPolicy(None, 32).choose(good, costs(0.01, 0.5, 0.01)).horizon
+    dear = HorizonPolicy(None, 32).choose(good, costs(0.2, 0.05, 0.01)).horizon
     assert dear < cheap
 
 
@@ -58,9 +67,9 @@ def test_acceptance_counts_trials_up_to_the_first_rejection():
 def test_a_request_that_stopped_drafting_is_probed_again():
     record = acceptance([(8, 0), (8, 0), (8, 0)])
     policy, model = HorizonPolicy(None, 32), costs(0.3, 0.5, 0.015)
-    assert policy.choose(record, model) == 0
+    assert policy.choose(record, model).horizon == 0
     rounds = 0
-    while policy.choose(record, model) == 0:
+    while policy.choose(record, model).horizon == 0:
         record.record(0, 0)
         rounds += 1
     assert 0 < rounds < 40
@@ -71,8 +80,8 @@ def test_drafts_that_come_several_per_forward_lengthen_the_horizon():
     the same acceptance and costs then pay for a longer round."""
     good = acceptance([(16, 12)] * 6)
     model = costs(0.05, 0.2, 0.01)
-    one = HorizonPolicy(None, 32).choose(good, model, drafts_per_step=1.0)
-    four = HorizonPolicy(None, 32).choose(good, model, drafts_per_step=4.0)
+    one = HorizonPolicy(None, 32).choose(good, model, drafts_per_step=1.0).horizon
+    four = HorizonPolicy(None, 32).choose(good, model, drafts_per_step=4.0).horizon
     assert four > one
 
 
@@ -84,3 +93,27 @@ def test_draft_yield_averages_drafts_per_forward():
     assert 4.9 < record.per_step <= 5.0
     record.record(0)  # a forward whose only draft ended the round still yields one
     assert record.per_step < 5.0
+
+
+def test_the_choice_says_why_and_what_the_model_expects():
+    good, poor = acceptance([(16, 16)] * 6), acceptance([(8, 0)] * 6)
+    drafting = HorizonPolicy(None, 32).choose(good, costs(0.02, 0.5, 0.015))
+    assert drafting.reason == "draft" and drafting.gain > 2
+    exact = HorizonPolicy(None, 32).choose(poor, costs(0.6, 0.5, 0.015))
+    assert exact == Choice(0, "exact", 1.0)
+
+
+def test_a_model_that_keeps_choosing_exact_steps_still_probes_a_bounded_share():
+    """Draft steps dearer than what any acceptance could repay: the model says exact steps
+    whatever the record, so without probes nothing would be measured again. One round in
+    PROBE_EVERY + 1 drafts PROBE_HORIZON; a round that drafted resets the count."""
+    record, policy, model = Acceptance(), HorizonPolicy(None, 32), costs(5.0, 0.5, 0.015)
+    reasons = []
+    for _ in range(3 * (PROBE_EVERY + 1)):
+        choice = policy.choose(record, model)
+        reasons.append(choice.reason)
+        record.record(choice.horizon, 0)
+    probe = ["exact"] * PROBE_EVERY + ["probe"]
+    assert reasons == probe * 3
+    assert policy.choose(Acceptance(idle=PROBE_EVERY), model).horizon == PROBE_HORIZON
+    assert policy.choose(Acceptance(idle=PROBE_EVERY), model).gain < 1

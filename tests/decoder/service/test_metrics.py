@@ -43,6 +43,9 @@ def decoder(store, builtin_model):
     server.stop(grace_s=0)
 
 
+REASONS = ("fixed", "start", "draft", "exact", "probe")
+
+
 def test_metrics_and_audits_after_a_small_workload(decoder, metadata, builtin_model, caplog):
     token = metadata.add_tenant("alice")
     doc = builtin_model.encode("def fibonacci(n):\n    " * 40)[:300]
@@ -70,6 +73,10 @@ def test_metrics_and_audits_after_a_small_workload(decoder, metadata, builtin_mo
     assert got[ok] == 3 and got[bad] == 1
     verifications = greedy.stats["verifications"] + sampled.stats["verifications"]
     assert got[("vericache_decoder_accepted_per_verification_count",)] == verifications
+    rounds = {r: got[("vericache_decoder_rounds_total", ("reason", r))] for r in REASONS}
+    assert sum(rounds.values()) == verifications and rounds["start"] >= 1
+    for reply in (greedy, sampled):  # every round's horizon says why it was chosen
+        assert sum(reply.stats["policy"].values()) == reply.stats["verifications"]
     assert got[("vericache_decoder_kv_budget_bytes",)] == 1 << 30
     assert got[("vericache_decoder_tokens_per_second",)] > 0
     assert greedy.stats["request_id"] != sampled.stats["request_id"]
