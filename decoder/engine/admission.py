@@ -61,6 +61,8 @@ class _Charges:
     """Of a local prefix's KV, what the caller already reserved."""
     near: NearData | None
     """Near-data attention to load, or None (its head is then not charged)."""
+    resident: int = 0
+    """A pinned group's resident copy: its growth (`PrefixGroup.pinned`)."""
 
     @property
     def head(self) -> int:
@@ -73,7 +75,7 @@ class _Charges:
 
     @property
     def need(self) -> int:
-        return self.own + self.shared + self.scratch + self.staging - self.prepaid
+        return self.own + self.shared + self.resident + self.scratch + self.staging - self.prepaid
 
 
 class Admission:
@@ -91,8 +93,11 @@ class Admission:
         stats: EngineStats,
         flight: InFlight,
         residency: Residency,
+        drafts: Callable[[Request, list[Running]], bool] = lambda req, running: True,
     ) -> None:
-        """stats: the engine's (copied into each request at admission)."""
+        """stats: the engine's (copied into each request at admission); drafts: whether a new
+        prefix group for a request should draft, given the requests in flight
+        (`RoundPlanner.drafts`; vericache mode)."""
         self.runner = runner
         self.config = config
         self.pipeline = pipeline
@@ -102,6 +107,7 @@ class Admission:
         self.stats = stats
         self.flight = flight
         self.residency = residency
+        self.drafts = drafts
         c = runner.config
         self.scratch = DraftScratch(c.num_kv_heads, c.head_dim)
         kv_bytes = KVBytes(c, runner.rc.key_chunk)
@@ -208,11 +214,16 @@ class Admission:
         new_group = group is None
         t0 = time.perf_counter()  # building a new group's compressed prefix counts
         self._check(req, new_group)
-        if group is not None and group.resident_charged and capacity > group.room:
+        grows = group is not None and capacity > group.room
+        if grows and group.resident_charged and not group.pinned:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
         if group is None:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
+            group.pinned = self._pins(req)
         charges = self._charges(ticket, group, new_group, capacity)
+        if group.pinned and new_group and not self._could_fit(charges):
+            group.pinned = False  # its full KV never fits here: it pulls for each pass
+            charges = self._charges(ticket, group, new_group, capacity)
         if not self._reserve(charges):
             return None
         previous_room = group.room
@@ -222,6 +233,8 @@ class Admission:
             if new_group or capacity > group.room:
                 group.room = charges.room
                 self._build_shared(group)
+            if group.pinned and (charges.resident or group.resident is None):
+                self._hold(group, charges)
             tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
             draft = DraftCache(group.draft, capacity) if group.draft is not None else None
         except BaseException:
@@ -231,7 +244,8 @@ class Admission:
         self._commit(ticket, group, charges, new_group)
         running = self._running(ticket, group, tail, charges.own)
         running.draft = draft
-        if new_group and self.config.mode == "full" and not group.local:
+        held = self.config.mode == "full" or group.pinned
+        if new_group and held and not group.local:
             running.stats.pulled_bytes += group.source.nbytes  # the resident copy's pull
         if new_group and group.near is not None:
             running.stats.pulled_bytes += group.near.head_bytes  # the head's pull
@@ -247,7 +261,12 @@ class Admission:
         # A prefix held in local memory (prefilled here, not in the store) counts too; what
         # its caller prepaid for it is taken over rather than reserved again.
         local = isinstance(group.source, LocalKVSource) and new_group
+        resident = 0
+        if group.pinned:
+            held = self.residency.bytes.dense(group.source.length + room)
+            resident = max(0, held - group.resident_charged)
         return _Charges(
+            resident=resident,
             room=room,
             own=self.footprint.own(capacity),
             buffers=buffers,
@@ -257,6 +276,32 @@ class Admission:
             prepaid=min(ticket.prepaid, group.source.nbytes) if local else 0,
             near=self.residency.near(group) if new_group else None,
         )
+
+    def _pins(self, req: Request) -> bool:
+        """Whether a new group for `req` is served as full-KV decoding would serve it: in
+        vericache mode with resident prefixes allowed, when it should not draft
+        (`drafts`). Its full prefix is then reserved and held with it, and it waits for
+        room like a full-KV request, instead of verifying every token with a pull (never
+        slower than full KV; DESIGN.md section 4)."""
+        if self.config.mode != "vericache" or not self.config.resident:
+            return False
+        return not self.drafts(req, self.flight.running)
+
+    def _could_fit(self, charges: _Charges) -> bool:
+        """Whether the charges fit the budget at all (with nothing else in it)."""
+        limit = self.budget.limit
+        return limit is None or charges.need + charges.prepaid <= limit
+
+    def _hold(self, group: PrefixGroup, charges: _Charges) -> None:
+        """A pinned group's resident copy, made or grown into its reserved bytes; if reading
+        the prefix fails, the group is unpinned and its passes pull (and recover) instead."""
+        try:
+            self.residency.hold(group, charges.resident)
+        except Exception as error:  # noqa: BLE001 - its passes pull it as before
+            log.info("a prefix is pulled, not held: reading it failed (%r)", error)
+            self.budget.release(charges.resident)
+            charges.resident = 0
+            group.pinned = False
 
     def _reserve(self, charges: _Charges) -> bool:
         """Reserve the charges (without near-data's head if only that does not fit); False

@@ -54,6 +54,14 @@ class Engine:
         self.stats = EngineStats()
         self.flight = InFlight()
         self.residency = Residency(runner, self.config, self.budget, self.ring, self.flight)
+        self.exact = ExactPasses(runner, self.ring, self.config.placement, self.residency.recover)
+        self.planner = RoundPlanner(
+            HorizonPolicy(self.config.horizon, self.config.max_horizon),
+            self.costs,
+            self.config.stagger,
+            self.ring.stats,
+            self.stats,
+        )
         self.admission = Admission(
             runner,
             self.config,
@@ -64,14 +72,7 @@ class Engine:
             self.stats,
             self.flight,
             self.residency,
-        )
-        self.exact = ExactPasses(runner, self.ring, self.config.placement, self.residency.recover)
-        self.planner = RoundPlanner(
-            HorizonPolicy(self.config.horizon, self.config.max_horizon),
-            self.costs,
-            self.config.stagger,
-            self.ring.stats,
-            self.stats,
+            self.planner.drafts,
         )
         self.speculator = Speculator(
             runner,

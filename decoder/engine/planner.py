@@ -6,9 +6,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from decoder.engine.request import Request
 from decoder.engine.state import Running
 from decoder.engine.stats import EngineStats
-from decoder.horizon import Choice, CostModel, HorizonPolicy
+from decoder.horizon import Acceptance, Choice, CostModel, HorizonPolicy
 from decoder.staging import RingStats
 
 
@@ -54,6 +55,20 @@ class RoundPlanner:
                 r.stats.chose(choice)
                 horizon = common if r.req.horizon is None else r.req.horizon
                 self._plan_round(r, start, horizon, stagger, running)
+
+    def drafts(self, req: Request, running: Sequence[Running]) -> bool:
+        """Whether a new prefix group for `req` should draft; if not, it is served as full-KV
+        decoding would serve it (`Admission`: its full prefix held here, waiting for room).
+        Its own horizon decides when it has one, then the engine's fixed one; else the
+        policy's choices for the requests in flight (for the prior acceptance when none):
+        it drafts while most of them would draft or nothing has been measured yet."""
+        if req.horizon is not None:
+            return req.horizon > 0
+        if self.policy.fixed is not None:
+            return self.policy.fixed > 0
+        records = [r.acceptance for r in running if not r.done] or [Acceptance()]
+        choices = [self.policy.choose(a, self.costs) for a in records]
+        return 2 * sum(c.reason in ("start", "draft") for c in choices) >= len(choices)
 
     def staggering(self) -> bool:
         if self.stagger is not None:

@@ -66,6 +66,12 @@ class Residency:
                 ) from error
             group.resident = cache
 
+    def hold(self, group: PrefixGroup, nbytes: int) -> None:
+        """Make (or grow, for a larger room) the group's resident copy, `nbytes` more of the
+        budget already reserved for it."""
+        group.resident = self._copy(group)
+        group.resident_charged += nbytes
+
     def _copy(self, group: PrefixGroup) -> KVCache:
         """The prefix's full KV in a buffer with the group's tail room (copied from the
         current resident copy when there is one, else read from its source)."""
@@ -136,7 +142,7 @@ class Residency:
     def _demote_one(self) -> bool:
         """Give budget back (to a request of any engine sharing it) by dropping the
         least-shared resident copy; False when there is none."""
-        residents = [g for g in self.flight.groups.values() if g.resident_charged]
+        residents = [g for g in self.flight.groups.values() if g.resident_charged and not g.pinned]
         if not residents:
             return False
         self.demote(min(residents, key=lambda g: g.members))

@@ -38,6 +38,9 @@ class PrefixGroup:
     """The prefix's full KV (+ room) held here: always in full mode; in vericache mode while
     the budget has room for it (then its passes read it instead of pulling)."""
     resident_charged: int = 0  # vericache mode: budget bytes of `resident`
+    pinned: bool = False
+    """Vericache mode: admitted to be served as full-KV decoding would (`Admission`): its
+    resident copy was reserved with it and is never demoted to make room."""
     draft: DraftPrefix | None = None
     local: bool = False  # recomputed here after the store failed
     near: NearData | None = None

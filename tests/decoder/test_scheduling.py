@@ -137,6 +137,33 @@ def test_admission_waits_for_room_under_the_budget(
     assert e.budget.used == 0
 
 
+def test_requests_that_will_not_draft_are_served_as_full_kv_would_serve_them(
+    builtin_model, builtin_runner, doc, suffixes, references
+):
+    """Horizon 0 (no drafting) over four distinct prefixes, with resident copies allowed and
+    a budget for about two requests: each prefix is read once and held, as full-KV decoding
+    holds it, and the other requests wait for room, instead of being admitted on their
+    compressed copies to pull their prefix for every token. The same requests with
+    resident copies off pull once per pass. Tokens identical to full KV either way."""
+    prefixes = [fresh_prefix(builtin_runner, doc) for _ in suffixes]  # distinct prefixes
+    probe = engine(builtin_runner, builtin_model, horizon=0, resident=True)
+    probe.run([Request(prefixes[0], suffixes[0], NEW)])
+    one = probe.budget.peak
+    held = engine(builtin_runner, builtin_model, horizon=0, resident=True, kv_budget=int(one * 2.5))
+    results = held.run([Request(p, s, NEW) for p, s in zip(prefixes, suffixes, strict=True)])
+    assert [r.tokens for r in results] == references
+    nbytes = prefixes[0].source.nbytes
+    assert [r.stats["pulled_bytes"] for r in results] == [nbytes] * 4  # read once, then held
+    assert all(r.stats["resident_prefix"] for r in results)
+    assert max(r.stats["queue_s"] for r in results) > 0  # some waited for room
+    assert held.budget.used == 0
+
+    pulling = engine(builtin_runner, builtin_model, horizon=0, resident=False)
+    results = pulling.run([Request(p, s, NEW) for p, s in zip(prefixes, suffixes, strict=True)])
+    assert [r.tokens for r in results] == references
+    assert all(r.stats["pulled_bytes"] >= (NEW - 1) * nbytes for r in results)
+
+
 def test_a_request_larger_than_the_budget_fails_clearly(builtin_model, builtin_runner, doc):
     prefix = fresh_prefix(builtin_runner, doc)
     e = engine(builtin_runner, builtin_model, mode="full", kv_budget=1 << 20)
