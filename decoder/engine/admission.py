@@ -78,6 +78,29 @@ class _Charges:
         return self.own + self.shared + self.resident + self.scratch + self.staging - self.prepaid
 
 
+def _pins(config: EngineConfig, drafts, req: Request, running: list[Running]) -> bool:
+    """Whether a new group for `req` is served as full-KV decoding would serve it: in
+    vericache mode with resident prefixes allowed, when it should not draft (`drafts`). Its
+    full prefix is then reserved and held with it (`PrefixGroup.pinned`), and it waits for
+    room like a full-KV request, instead of verifying every token with a pull (never slower
+    than full KV; DESIGN.md section 4)."""
+    if config.mode != "vericache" or not config.resident:
+        return False
+    return not drafts(req, running)
+
+
+def _resident_growth(residency: Residency, group: PrefixGroup, room: int) -> int:
+    """A pinned group's resident copy: the bytes it grows by to hold `room` tail tokens."""
+    if not group.pinned:
+        return 0
+    return max(0, residency.bytes.dense(group.source.length + room) - group.resident_charged)
+
+
+def _fits_at_all(budget: KVBudget, charges: _Charges) -> bool:
+    """Whether the charges fit the budget at all (with nothing else in it)."""
+    return budget.limit is None or charges.need + charges.prepaid <= budget.limit
+
+
 class Admission:
     """The queue, and admission of its requests into the engine's requests in flight under
     the budget; retirement gives their bytes back."""
@@ -96,8 +119,7 @@ class Admission:
         drafts: Callable[[Request, list[Running]], bool] = lambda req, running: True,
     ) -> None:
         """stats: the engine's (copied into each request at admission); drafts: whether a new
-        prefix group for a request should draft, given the requests in flight
-        (`RoundPlanner.drafts`; vericache mode)."""
+        group for a request drafts, given those in flight (`RoundPlanner.drafts`)."""
         self.runner = runner
         self.config = config
         self.pipeline = pipeline
@@ -219,9 +241,9 @@ class Admission:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
         if group is None:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
-            group.pinned = self._pins(req)
+            group.pinned = _pins(self.config, self.drafts, req, self.flight.running)
         charges = self._charges(ticket, group, new_group, capacity)
-        if group.pinned and new_group and not self._could_fit(charges):
+        if group.pinned and new_group and not _fits_at_all(self.budget, charges):
             group.pinned = False  # its full KV never fits here: it pulls for each pass
             charges = self._charges(ticket, group, new_group, capacity)
         if not self._reserve(charges):
@@ -233,8 +255,9 @@ class Admission:
             if new_group or capacity > group.room:
                 group.room = charges.room
                 self._build_shared(group)
-            if group.pinned and (charges.resident or group.resident is None):
-                self._hold(group, charges)
+            held = group.pinned and (charges.resident or group.resident is None)
+            if held and not self.residency.hold(group, charges.resident):
+                charges.resident = 0  # unpinned: its passes pull instead
             tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
             draft = DraftCache(group.draft, capacity) if group.draft is not None else None
         except BaseException:
@@ -261,12 +284,8 @@ class Admission:
         # A prefix held in local memory (prefilled here, not in the store) counts too; what
         # its caller prepaid for it is taken over rather than reserved again.
         local = isinstance(group.source, LocalKVSource) and new_group
-        resident = 0
-        if group.pinned:
-            held = self.residency.bytes.dense(group.source.length + room)
-            resident = max(0, held - group.resident_charged)
         return _Charges(
-            resident=resident,
+            resident=_resident_growth(self.residency, group, room),
             room=room,
             own=self.footprint.own(capacity),
             buffers=buffers,
@@ -276,32 +295,6 @@ class Admission:
             prepaid=min(ticket.prepaid, group.source.nbytes) if local else 0,
             near=self.residency.near(group) if new_group else None,
         )
-
-    def _pins(self, req: Request) -> bool:
-        """Whether a new group for `req` is served as full-KV decoding would serve it: in
-        vericache mode with resident prefixes allowed, when it should not draft
-        (`drafts`). Its full prefix is then reserved and held with it, and it waits for
-        room like a full-KV request, instead of verifying every token with a pull (never
-        slower than full KV; DESIGN.md section 4)."""
-        if self.config.mode != "vericache" or not self.config.resident:
-            return False
-        return not self.drafts(req, self.flight.running)
-
-    def _could_fit(self, charges: _Charges) -> bool:
-        """Whether the charges fit the budget at all (with nothing else in it)."""
-        limit = self.budget.limit
-        return limit is None or charges.need + charges.prepaid <= limit
-
-    def _hold(self, group: PrefixGroup, charges: _Charges) -> None:
-        """A pinned group's resident copy, made or grown into its reserved bytes; if reading
-        the prefix fails, the group is unpinned and its passes pull (and recover) instead."""
-        try:
-            self.residency.hold(group, charges.resident)
-        except Exception as error:  # noqa: BLE001 - its passes pull it as before
-            log.info("a prefix is pulled, not held: reading it failed (%r)", error)
-            self.budget.release(charges.resident)
-            charges.resident = 0
-            group.pinned = False
 
     def _reserve(self, charges: _Charges) -> bool:
         """Reserve the charges (without near-data's head if only that does not fit); False

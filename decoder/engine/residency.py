@@ -66,11 +66,19 @@ class Residency:
                 ) from error
             group.resident = cache
 
-    def hold(self, group: PrefixGroup, nbytes: int) -> None:
-        """Make (or grow, for a larger room) the group's resident copy, `nbytes` more of the
-        budget already reserved for it."""
-        group.resident = self._copy(group)
+    def hold(self, group: PrefixGroup, nbytes: int) -> bool:
+        """Make (or grow, for a larger room) a pinned group's resident copy, `nbytes` more of
+        the budget already reserved for it. If reading the prefix fails, the bytes go back,
+        the group is unpinned and its passes pull (and recover) instead: False."""
+        try:
+            group.resident = self._copy(group)
+        except Exception as error:  # noqa: BLE001 - its passes pull it as before
+            log.info("a prefix is pulled, not held: reading it failed (%r)", error)
+            self.budget.release(nbytes)
+            group.pinned = False
+            return False
         group.resident_charged += nbytes
+        return True
 
     def _copy(self, group: PrefixGroup) -> KVCache:
         """The prefix's full KV in a buffer with the group's tail room (copied from the

@@ -117,7 +117,8 @@ class Lookup:
     dropped, an eviction), so each later round makes one call: the first chunk not yet found
     whole, with the later ones not found, to an owner of it that has not answered for it.
     It ends when every chunk is found or that first chunk's owners have all answered: a
-    cold miss costs one more call per further replica."""
+    cold miss costs one more call per further replica. A later round's call is tried once
+    (its failure answers nothing; the shard is quarantined as usual)."""
 
     namespace: str
     layout: KVLayout
@@ -261,6 +262,7 @@ class ClientCore:
         self._refreshed = -math.inf
         self._due = -math.inf
         self._events: Counter[str] = Counter()
+        self._once = replace(self.config, retries=1)
 
     def count(self, event: str) -> None:
         """Record that this client met `event` (see the module's docstring)."""
@@ -394,7 +396,8 @@ class ClientCore:
             for c in lookup.chunks[lookup.chunks.index(first) :]
             if not lookup.whole(c) and shard_id in unasked(c)
         ]
-        return [self._lookup_call(lookup, shard_id, self.attempts([shard_id]), chunks)]
+        once = Attempts(self._once, [shard_id], self.failed)  # a later round never retries
+        return [self._lookup_call(lookup, shard_id, once, chunks)]
 
     def _lookup_call(self, lookup: Lookup, shard_id: str, attempts, chunks) -> LookupCall:
         request = lookup_request(lookup.ids, lookup.layout, lookup.namespace, chunks)
