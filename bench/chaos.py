@@ -295,8 +295,14 @@ Repair = Callable[[], dict[str, int]]
 
 
 def shard_kill(index: int) -> Callable[[Chaos], Repair]:
+    """kill -9 shard `index`, then read back every committed prefix at once, while the
+    clients still list it: their calls meet the dead shard and go on from the replicas
+    (under a slow load, the window's own operations may all route around it once the
+    membership drops it, leaving no evidence)."""
+
     def inject(chaos: Chaos) -> Repair:
         in_memory = chaos.kill_shard(index)
+        chaos.workload.sweep()
 
         def repair() -> dict[str, int]:
             chaos.restart_shard(index)
