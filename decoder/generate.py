@@ -80,10 +80,10 @@ def generate_full_each(
     caches = [
         c if s == 0 else c.clone(max_new_tokens) for s in range(len(samplers)) for c in prefilled
     ]
-    choose = [sampler for sampler in samplers for _ in prompts]
-    outputs = [[choose[j].choose(last[j % len(prompts)], 0)] for j in range(len(caches))]
+    per_seq = [sampler for sampler in samplers for _ in prompts]  # in `caches` order
+    outputs = [[per_seq[j].choose(last[j % len(prompts)], 0)] for j in range(len(caches))]
     t1 = time.perf_counter()
-    steps = _decode(runner, caches, outputs, choose, eos, max_new_tokens, mode)
+    steps = _decode(runner, caches, outputs, per_seq, eos, max_new_tokens, mode)
     decode_s = time.perf_counter() - t1
     results = []
     for s, sampler in enumerate(samplers):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 START_HORIZON = 8
 """Auto's horizon before any round has been measured."""
@@ -28,6 +28,7 @@ PROBE_EVERY = 8
 PROBE_HORIZON = 2
 
 Reason = Literal["fixed", "start", "draft", "exact", "probe"]
+REASONS: tuple[str, ...] = get_args(Reason)
 
 
 @dataclass(frozen=True)

@@ -255,7 +255,7 @@ class Admission:
             if new_group or capacity > group.room:
                 group.room = charges.room
                 self._build_shared(group)
-            held = group.pinned and (charges.resident or group.resident is None)
+            held = group.pinned and charges.resident  # a new copy, or a larger one
             if held and not self.residency.hold(group, charges.resident):
                 charges.resident = 0  # unpinned: its passes pull instead
             tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)

@@ -14,13 +14,12 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from decoder.horizon import Reason
+from decoder.horizon import REASONS
 from prefix_store.metrics import TenantLabels
 from rpc.metrics import RpcMetrics
 
@@ -105,7 +104,7 @@ class DecoderMetrics:
             ["reason"],
             registry=r,
         )
-        for reason in get_args(Reason):
+        for reason in REASONS:
             self.rounds.labels(reason)
         self.audits = Counter(
             f"{PREFIX}_audits_total",
@@ -132,7 +131,7 @@ class DecoderMetrics:
             for _ in range(int(rounds)):
                 self.accepted.observe(int(accepted))
         for reason, rounds in stats.get("policy", {}).items():
-            if reason in get_args(Reason):
+            if reason in REASONS:
                 self.rounds.labels(reason).inc(int(rounds))
         if stats.get("draft_steps"):
             self.draft.observe(stats["draft_s"] / stats["draft_steps"])

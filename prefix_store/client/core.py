@@ -384,8 +384,8 @@ class ClientCore:
         avoided = self.avoided()
 
         def unasked(chunk: ChunkPlan) -> list[str]:
-            done = lookup.answered.get(chunk.index, set())
-            return [s for s in self.topology.owners(chunk.parent) if s not in done | avoided]
+            skip = lookup.answered.get(chunk.index, set()) | avoided
+            return [s for s in self.topology.owners(chunk.parent) if s not in skip]
 
         candidates = unasked(first)
         if not candidates:
@@ -393,7 +393,7 @@ class ClientCore:
         shard_id = candidates[0]
         chunks = [
             c
-            for c in lookup.chunks[lookup.chunks.index(first) :]
+            for c in lookup.chunks[first.index :]
             if not lookup.whole(c) and shard_id in unasked(c)
         ]
         once = Attempts(self._once, [shard_id], self.failed)  # a later round never retries

@@ -1,15 +1,12 @@
-"""Decoder service fixtures: a real store shard over the session's Redis, and decoder
-servers with the built-in model on loopback."""
+"""Decoder service helpers: decoder servers with the built-in model on loopback (the store
+shard they serve from is `store`, in tests/decoder/conftest.py)."""
 
 from __future__ import annotations
-
-import pytest
 
 from decoder.service.config import DecoderConfig
 from decoder.service.server import DecoderServer
 from decoder.service.worker import DecoderWorker
 from prefix_store.config import ClientConfig
-from tests.prefix_store.conftest import Store
 
 
 def serve(endpoints, model, **overrides) -> DecoderServer:
@@ -20,12 +17,3 @@ def serve(endpoints, model, **overrides) -> DecoderServer:
     server = DecoderServer(config, DecoderWorker(config, model=model))
     server.start()
     return server
-
-
-@pytest.fixture
-def store(metadata, redis_server, tmp_path):
-    """One shard on loopback."""
-    store = Store(redis_server.url, tmp_path)
-    store.start()
-    yield store
-    store.close()

@@ -1,4 +1,4 @@
-"""Router fixtures: the store its decoders serve from."""
+"""Decoder fixtures shared by the service and router tests: the store they serve from."""
 
 from __future__ import annotations
 
