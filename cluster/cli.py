@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=int, default=6, help="concurrent requests per mode")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--compressor", default=DEFAULT_COMPRESSOR)
+    demo.add_argument(
+        "--kv-budget",
+        type=store_cli.parse_bytes,
+        help="KV bytes per decoder (default: unlimited); the full-KV baseline needs room for "
+        "the shared document's full KV",
+    )
     demo.set_defaults(run=run_demo, parse=lambda ns: ns)
     store_cli.add_commands(sub)
     decoder_cli.add_commands(sub)
@@ -307,7 +313,9 @@ def run_demo(ns: argparse.Namespace) -> int:
     if ns.prefix_tokens < 256 or ns.requests < 1 or ns.max_new_tokens < 1:
         raise UsageError("--prefix-tokens must be >= 256, --requests and --max-new-tokens >= 1")
     compressor = parse_compressor(ns.compressor)
-    return demo(DemoConfig(ns.prefix_tokens, ns.requests, ns.max_new_tokens, compressor))
+    return demo(
+        DemoConfig(ns.prefix_tokens, ns.requests, ns.max_new_tokens, compressor, ns.kv_budget)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

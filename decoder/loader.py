@@ -60,15 +60,22 @@ class LoadedModel:
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of `text`; with `chat`, wrapped as one user turn of the chat template."""
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ModelLoadError(f"model {self.name} has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode_chat([{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict[str, str]], *, reply: bool = True) -> list[int]:
+        """Token ids of a conversation (`{"role", "content"}` messages) through the model's
+        chat template; with `reply`, ending with the assistant's turn opened for the model
+        to complete. Without it the ids end after the last message, so that a conversation
+        that continues it starts with them (a shared system prompt is a cacheable prefix)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ModelLoadError(f"model {self.name} has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=reply, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
 
     def without_weights(self) -> LoadedModel:
         """This model without its weights (the tokenizer and config stay): what a caller

@@ -63,32 +63,38 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
-        scores = _filtered(logits.double() / p.temperature, p.top_k, p.top_p)
-        return int(torch.argmax(scores + _gumbel(p.seed, index, scores.shape[0])))
+        scores = logits.double() / p.temperature
+        kept = _kept(scores, p.top_k, p.top_p)
+        noisy = scores[kept] + _gumbel(p.seed, index, scores.shape[0], kept)
+        return int(kept[torch.argmax(noisy)])  # ids ascend: ties go to the lowest id
 
     def choose_rows(self, logits: torch.Tensor, first_index: int) -> list[int]:
         """logits: [n, V] for output positions first_index .. first_index + n - 1."""
         return [self.choose(row, first_index + j) for j, row in enumerate(logits)]
 
 
-def _filtered(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Scores with every token outside top-k / top-p set to -inf (ties at the edge kept)."""
+def _kept(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The ids of the tokens that top-k / top-p keep, ascending (ties at the edge kept).
+    Top-p sorts only what top-k kept: the Gumbel-max choice among them is the choice over
+    every token with the others masked out, at the cost of a few dozen tokens, not V."""
     if top_k and top_k < scores.shape[0]:
         kth = torch.topk(scores, top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        kept = torch.nonzero(scores >= kth).squeeze(1)
+    else:
+        kept = torch.arange(scores.shape[0])
     if top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=True, stable=True)
+        ordered, order = torch.sort(scores[kept], descending=True, stable=True)
         probs = torch.softmax(ordered, dim=0)
         before = torch.cumsum(probs, dim=0) - probs  # mass strictly before each token
-        drop = torch.zeros_like(scores, dtype=torch.bool)
-        drop[order] = before >= top_p
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores
+        kept = torch.sort(kept[order[before < top_p]]).values
+    return kept
 
 
-def _gumbel(seed: int, index: int, size: int) -> torch.Tensor:
+def _gumbel(seed: int, index: int, size: int, kept: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise of the `kept` tokens at position `index`: drawn for all `size`
+    tokens, so that a token's noise does not depend on which others are kept."""
     generator = torch.Generator().manual_seed(_mix(seed, index))
-    uniform = torch.rand(size, generator=generator, dtype=torch.float64)
+    uniform = torch.rand(size, generator=generator, dtype=torch.float64)[kept]
     return -torch.log(-torch.log(uniform.clamp_(min=1e-300)))
 
 

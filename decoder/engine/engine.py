@@ -295,6 +295,7 @@ class Engine:
                 draft_s=round(self.stats.draft_s - r.at_admission.draft_s, 4),
                 verify_s=round(self.stats.verify_s - r.at_admission.verify_s, 4),
             )
+        stats.update(self.stats.step_times(since=r.at_admission))
         stats["batch_steps"] = int(self.stats.steps - r.at_admission.steps)
         return GenerationResult(tokens=r.out, stop_reason=r.stop_reason or "length", stats=stats)
 

@@ -38,8 +38,14 @@ def test_demo_runs_the_service_and_vericache_matches_full(tmp_path):
         if line.split()[:1] in (["full"], ["lossy"], ["vericache"]) and "x " in line
     }
     assert set(rows) == {"full", "lossy", "vericache"}
+    assert "regime: unlimited decoder KV budget: the document's full KV stays resident" in out
     assert rows["vericache"].rstrip().endswith("  3/3")
+    # the section 10 bound and the policy's most common choice, for vericache alone
+    assert re.search(r" \d+\.\d\dx +(draft|exact|start|probe|fixed) \d+%  3/3$", rows["vericache"])
+    assert re.search(r" +- +-  reference$", rows["full"])
     assert rows["full"].rstrip().endswith("  reference")
     assert re.search(r"  [0-3]/3( \(diverged at token [0-9, ]+\))?$", rows["lossy"].rstrip())
+    answer = out.split("What does the dedent function do?\n", 1)[1].split("\n\nLarger:")[0]
+    assert answer.strip() and "dedent" in answer.lower()  # the question, answered
     assert "Larger: vericache demo --prefix-tokens" in out
     assert "router at" in out and "served by (through the router" in out

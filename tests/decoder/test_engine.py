@@ -271,6 +271,8 @@ def test_multi_token_suffix_over_a_shared_prefix(mode, builtin_model, builtin_ru
     engine = Engine(builtin_runner, EngineConfig(mode=mode, horizon=6), builtin_model.eos_token_ids)
     got = engine.run([Request(shared, s, 20) for s in suffixes])
     assert [r.tokens for r in got] == want
+    step = "full_step_s" if mode == "full" else "draft_step_s"  # what the bound divides
+    assert all(r.stats[step] > 0 for r in got)
 
 
 def test_staging_holds_a_few_layers(builtin_model, builtin_runner, workload):
