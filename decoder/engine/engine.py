@@ -48,6 +48,8 @@ class Engine:
         self.pipeline: CompressorPipeline | None = (
             None if self.config.mode == "full" else parse_compressor(self.config.compressor)
         )
+        if self.config.mode != "full" and self.config.draft_mode == "fast":
+            runner.prepare_fast()  # before any draft step is timed
         self.costs = CostModel()
         self.budget = budget if budget is not None else KVBudget(self.config.kv_budget)
         self.ring = LayerRing(runner.config, runner.rc.key_chunk, self.config.staging_depth)

@@ -7,6 +7,7 @@ import torch
 
 import decoder.runner as runner_module
 from decoder.config import RunnerConfig
+from decoder.engine import Engine, EngineConfig
 from decoder.runner import ModelRunner, SeqInput
 from decoder.weights import random_weights
 from tests.decoder.test_exactness import TINY_CONFIGS
@@ -51,6 +52,15 @@ def test_copy_built_only_at_first_fast_forward(kind, monkeypatch):
     assert runner.draft_weight_bytes > 0
     logits_all(runner, [4, 5], "fast")
     assert len(built) == 4 * TINY.num_layers + 1  # built once
+
+
+@pytest.mark.parametrize(("mode", "built"), [("full", False), ("lossy", True), ("vericache", True)])
+def test_an_engine_that_drafts_builds_the_copy_before_its_first_timed_step(mode, built):
+    """The copy is built when a drafting engine is made, not inside its first draft step,
+    whose time the horizon policy reads as the price of drafting."""
+    runner = tiny_runner("fp16")
+    Engine(runner, EngineConfig(mode=mode, compressor="streamingllm:sink=4,window=28"))
+    assert (runner.draft_weight_bytes > 0) == built
 
 
 def test_fp32_drafts_with_the_exact_weights():
