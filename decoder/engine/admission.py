@@ -78,15 +78,18 @@ class _Charges:
         return self.own + self.shared + self.resident + self.scratch + self.staging - self.prepaid
 
 
-def _pins(config: EngineConfig, drafts, req: Request, running: list[Running]) -> bool:
-    """Whether a new group for `req` is served as full-KV decoding would serve it: in
-    vericache mode with resident prefixes allowed, when it should not draft (`drafts`). Its
-    full prefix is then reserved and held with it (`PrefixGroup.pinned`), and it waits for
-    room like a full-KV request, instead of verifying every token with a pull (never slower
-    than full KV; DESIGN.md section 4)."""
+def _pins(config: EngineConfig, drafts, req: Request, running: list[Running], pulls: bool) -> bool:
+    """Whether a new group for `req` holds its full prefix here as full-KV decoding would
+    (`PrefixGroup.pinned`): in vericache mode with resident prefixes allowed, when its
+    passes would otherwise pull the prefix from the store (`pulls`: a store prefix without
+    near-data attention), or when it should not draft (`drafts`). Its full prefix is then
+    reserved and held with it, its passes verify against that copy, and it waits for room
+    like a full-KV request, instead of being admitted on its compressed copy to pull the
+    whole prefix for every pass (never slower than full KV; DESIGN.md section 4). A pinned
+    group still drafts when the horizon policy says so."""
     if config.mode != "vericache" or not config.resident:
         return False
-    return not drafts(req, running)
+    return pulls or not drafts(req, running)
 
 
 def _resident_growth(residency: Residency, group: PrefixGroup, room: int) -> int:
@@ -241,7 +244,8 @@ class Admission:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
         if group is None:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
-            group.pinned = _pins(self.config, self.drafts, req, self.flight.running)
+            pulls = not isinstance(group.source, LocalKVSource) and not self.residency.near(group)
+            group.pinned = _pins(self.config, self.drafts, req, self.flight.running, pulls)
         charges = self._charges(ticket, group, new_group, capacity)
         if group.pinned and new_group and not _fits_at_all(self.budget, charges):
             group.pinned = False  # its full KV never fits here: it pulls for each pass
