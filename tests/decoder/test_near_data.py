@@ -135,6 +135,36 @@ def test_pull_placement_never_attends_remotely(
     assert result.stats["near_passes"] == 0 and result.stats["pulled_bytes"] > 0
 
 
+def test_pulled_prefixes_are_held_as_full_kv_holds_them(
+    builtin_model, builtin_runner, shards, metadata, prompts
+):
+    """Placement pull with resident copies allowed, two distinct store prefixes, drafting,
+    a budget for one request: each prefix is read once and held while its request drafts
+    and verifies against it, and the other request waits for room, as full-KV decoding
+    would serve them, instead of being admitted on its compressed copy to pull its prefix
+    for every pass."""
+    want = [full_kv(builtin_model, builtin_runner, p, GREEDY) for p in prompts]
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        prefixes = [published(builtin_model, builtin_runner, client, p) for p in prompts]
+        requests = [
+            Request(prefix, p[len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+            for prefix, p in zip(prefixes, prompts, strict=True)
+        ]
+        probe = engine(builtin_model, builtin_runner, placement="pull", resident=True)
+        probe.run(requests[:1])
+        one = probe.budget.peak
+        held = engine(
+            builtin_model, builtin_runner, placement="pull", resident=True, kv_budget=one * 3 // 2
+        )
+        results = held.run(requests)
+    assert [r.tokens for r in results] == want
+    assert all(r.stats["verifications"] > 1 and r.stats["drafted"] > 0 for r in results)
+    assert [r.stats["pulled_bytes"] for r in results] == [r.stats["full_bytes"] for r in results]
+    assert all(r.stats["resident_prefix"] for r in results)
+    assert max(r.stats["queue_s"] for r in results) > 0  # one waited for room
+
+
 def test_two_tenants_each_see_only_their_own_prefix(
     builtin_model, builtin_runner, shards, metadata, prompts
 ):
