@@ -156,8 +156,7 @@ class Admission:
     def drain(self) -> list[Ticket]:
         """Empty the queue; returns what was in it."""
         with self._lock:
-            queued = self._queue.items()
-            self._queue.remove_if(lambda _: True)
+            queued = self._queue.remove_if(lambda _: True)
         for ticket in queued:
             self._refund(ticket)
         return queued
@@ -244,7 +243,7 @@ class Admission:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
         if group is None:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
-            pulls = not isinstance(group.source, LocalKVSource) and not self.residency.near(group)
+            pulls = self.residency.pulls(group)
             group.pinned = _pins(self.config, self.drafts, req, self.flight.running, pulls)
         charges = self._charges(ticket, group, new_group, capacity)
         if group.pinned and new_group and not _fits_at_all(self.budget, charges):

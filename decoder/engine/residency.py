@@ -16,6 +16,7 @@ from decoder.engine.prefix_work import recompute_prefix
 from decoder.engine.state import InFlight, PrefixGroup
 from decoder.errors import Unreachable
 from decoder.kv_cache import KVCache
+from decoder.kv_source import LocalKVSource
 from decoder.runner import ModelRunner
 from decoder.staging import LayerRing, PrefixUnavailable
 from prefix_store.errors import LimitExceeded
@@ -157,6 +158,12 @@ class Residency:
         return True
 
     # -- near-data attention ------------------------------------------------------------------
+
+    def pulls(self, group: PrefixGroup) -> bool:
+        """Whether a new group's passes would pull its prefix from the store: a store prefix
+        (not one in this decoder's memory, which the budget already holds) without near-data
+        attention."""
+        return not isinstance(group.source, LocalKVSource) and self.near(group) is None
 
     def near(self, group: PrefixGroup) -> NearData | None:
         """The new group's near-data attention when the config and its source allow it: a
