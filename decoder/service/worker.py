@@ -125,6 +125,7 @@ class DecoderWorker:
             self.model, self.runner = load_runner(config.model, rc, draft=True)
         else:  # a caller's, shared with others (tests): they hold the weights anyway
             self.model, self.runner = model, ModelRunner(model.config, model.weights, rc)
+            self.runner.prepare_fast()  # as load_runner(draft=True) does: not in a request
         self.runner.ensure_exact_supported()
         self.layout = kv_layout(self.model.config, self.model.fingerprint)
         self.signer = self._signer(config)
