@@ -232,7 +232,8 @@ def _report(runs: list[ModeRun], model, config: DemoConfig) -> None:
     print()
     header = (
         f"{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'p50 s':>7s} {'p95 s':>7s} "
-        f"{'acc/verif':>9s} {'pulled/tok':>11s} {'bound':>6s} {'policy':>10s}  identical to full"
+        f"{'acc/verif':>9s} {'pulled/tok':>11s} {'bound':>6s} {'policy':>10s} {'split':>5s}"
+        "  identical to full"
     )
     print(header)
     print("-" * len(header))
@@ -248,14 +249,15 @@ def _report(runs: list[ModeRun], model, config: DemoConfig) -> None:
             f"{run.mode:10s} {rate:7.2f} {rate / full_rate:7.2f}x "
             f"{statistics.median(run.latencies):7.1f} {_pct(run.latencies, 0.95):7.1f} "
             f"{acc:>9s} {_human(pulled):>11s} {f'{bound:.2f}x' if bound else '-':>6s} "
-            f"{_policy(run):>10s}  {_identical_to_full(run, full)}"
+            f"{_policy(run):>10s} {_split(run):>5s}  {_identical_to_full(run, full)}"
         )
     served = Counter(r.stats.get("worker", "?") for run in runs for r in run.replies)
     print("\nserved by (through the router, by prefix affinity): " + ", ".join(
         f"{worker} {count}" for worker, count in sorted(served.items())))  # fmt: skip
     print(
         "bound: full-KV step time over draft step time, times the drafts accepted "
-        "(docs/DESIGN.md section 10); policy: the horizon policy's most common choice"
+        "(docs/DESIGN.md section 10); policy: the horizon policy's most common choice; split: "
+        "the mode's requests per decoder (the router places each mode's batch anew)"
     )
     print()
     print(f"request 1 (vericache, tenant alice, shared document): {QUESTIONS[0]}")
@@ -281,6 +283,13 @@ def _bound(run: ModeRun, full: ModeRun) -> float | None:
     per_draft = statistics.median(draft_step) / max(1.0, drafted / max(1, forwards))
     accepted = sum(s.get("accepted", 0) for s in stats)
     return statistics.median(full_step) / per_draft * accepted / drafted
+
+
+def _split(run: ModeRun) -> str:
+    """How the router spread the run's requests over the decoders, busiest first ("4+2"):
+    modes placed differently are not compared on equal terms."""
+    served = Counter(r.stats.get("worker", "?") for r in run.replies)
+    return "+".join(str(n) for n in sorted(served.values(), reverse=True))
 
 
 def _policy(run: ModeRun) -> str:
