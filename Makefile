@@ -45,7 +45,8 @@ demo: install
 # `multihost` tests (root: real hosts in network namespaces; they skip, saying which,
 # without root or network namespaces, and fail on any other setup failure).
 # Three pytest-xdist workers by default, each taking one test file at a time (`--dist
-# loadfile`: a module's fixtures start once, on one worker). Measured on 2 cores: 870 tests
+# loadfile`: a module's fixtures start once, on one worker; the files that share one
+# package-scoped deployment go together, tests/conftest.py's SHARED_WORKER). Measured on 2 cores: 870 tests
 # in 18:44, against 35:45 in one process, which left the cores 44% idle (tests waiting on
 # Ray, SSH, subprocesses). Files go out in collection order (`--no-loadscope-reorder`;
 # xdist would sort them by test count), so the tests/cluster modules sharing one deployment

@@ -26,6 +26,47 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+SHARED_WORKER = {
+    "tests/cluster/test_remote_decoding.py": "tests/cluster::service",
+    "tests/cluster/test_request_isolation.py": "tests/cluster::service",
+}
+"""Test files that share a package-scoped fixture (the group names it), run on one xdist
+worker under `make test`'s `--dist loadfile`: a package fixture starts once per worker, so
+files spread over workers would each start their own deployment, and hold it in memory
+beside the others. Collection checks the list is complete (`_check_shared_workers`)."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the files of `SHARED_WORKER` as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SHARED_WORKER.get(file, file)
+
+    return SharedFixtureScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _check_shared_workers(items)
+
+
+def _check_shared_workers(items: list[pytest.Item]) -> None:
+    """Refuse a collection in which a file uses a package-scoped fixture that
+    `SHARED_WORKER` does not say it shares (it would start its own copy on another worker)."""
+    for item in items:
+        file = item.nodeid.split("::", 1)[0]
+        for name in item.fixturenames:
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if defs and defs[-1].scope == "package":
+                group = f"{defs[-1].baseid}::{name}"
+                if SHARED_WORKER.get(file) != group:
+                    raise pytest.UsageError(f"{file} uses {group}: add it to SHARED_WORKER")
+
+
 def require_fused_kernel() -> None:
     """The gate of tests marked `fused_kernel`: skip, saying why, where this process is not
     meant to run the fused exact-attention kernel (a CPU without AVX2/FMA, or
