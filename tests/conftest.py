@@ -26,14 +26,21 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+ONE_AT_A_TIME = "tests/cluster: the largest deployments, one at a time"
 SHARED_WORKER = {
     "tests/cluster/test_remote_decoding.py": "tests/cluster::service",
     "tests/cluster/test_request_isolation.py": "tests/cluster::service",
+    "tests/cluster/test_demo.py": ONE_AT_A_TIME,
+    "tests/cluster/test_multihost.py": ONE_AT_A_TIME,
+    "tests/cluster/test_router.py": ONE_AT_A_TIME,
 }
-"""Test files that share a package-scoped fixture (the group names it), run on one xdist
-worker under `make test`'s `--dist loadfile`: a package fixture starts once per worker, so
-files spread over workers would each start their own deployment, and hold it in memory
-beside the others. Collection checks the list is complete (`_check_shared_workers`)."""
+"""Test files that run on one xdist worker together under `make test`'s `--dist loadfile`:
+- files that share a package-scoped fixture (the group names it): a package fixture starts
+  once per worker, so files spread over workers would each start their own deployment.
+  Collection checks this part is complete (`_check_shared_workers`).
+- the deployments with two decoders or four hosts (~4 GB each): two of them at once, beside
+  the three workers' own models, reached Ray's memory monitor (95% of 24 GB), which killed
+  a decoder mid-test."""
 
 
 def pytest_xdist_make_scheduler(config, log):
