@@ -241,14 +241,16 @@ class Admission:
         grows = group is not None and capacity > group.room
         if grows and group.resident_charged and not group.pinned:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
+        near = None  # a new group's near-data offer, asked of its source once
         if group is None:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
-            pulls = self.residency.pulls(group)
+            near = self.residency.near(group)
+            pulls = self.residency.pulls(group, near)
             group.pinned = _pins(self.config, self.drafts, req, self.flight.running, pulls)
-        charges = self._charges(ticket, group, new_group, capacity)
+        charges = self._charges(ticket, group, new_group, capacity, near)
         if group.pinned and new_group and not _fits_at_all(self.budget, charges):
             group.pinned = False  # its full KV never fits here: it pulls for each pass
-            charges = self._charges(ticket, group, new_group, capacity)
+            charges = self._charges(ticket, group, new_group, capacity, near)
         if not self._reserve(charges):
             return None
         previous_room = group.room
@@ -279,9 +281,15 @@ class Admission:
         return running
 
     def _charges(
-        self, ticket: Ticket, group: PrefixGroup, new_group: bool, capacity: int
+        self,
+        ticket: Ticket,
+        group: PrefixGroup,
+        new_group: bool,
+        capacity: int,
+        near: NearData | None,
     ) -> _Charges:
-        """What admitting the ticket's request into `group` would reserve."""
+        """What admitting the ticket's request into `group` would reserve (`near`: a new
+        group's near-data attention, `Residency.near`)."""
         room = max(group.room, capacity)
         buffers = self.footprint.buffers_growth(group, room)
         # A prefix held in local memory (prefilled here, not in the store) counts too; what
@@ -296,7 +304,7 @@ class Admission:
             scratch=self.footprint.scratch_growth(group, room, self._scratch_charged),
             staging=self.footprint.staging_growth(group.source.length + room, self._ring_charged),
             prepaid=min(ticket.prepaid, group.source.nbytes) if local else 0,
-            near=self.residency.near(group) if new_group else None,
+            near=near,
         )
 
     def _reserve(self, charges: _Charges) -> bool:

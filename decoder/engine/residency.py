@@ -159,11 +159,12 @@ class Residency:
 
     # -- near-data attention ------------------------------------------------------------------
 
-    def pulls(self, group: PrefixGroup) -> bool:
+    @staticmethod
+    def pulls(group: PrefixGroup, near: NearData | None) -> bool:
         """Whether a new group's passes would pull its prefix from the store: a store prefix
         (not one in this decoder's memory, which the budget already holds) without near-data
-        attention."""
-        return not isinstance(group.source, LocalKVSource) and self.near(group) is None
+        attention (`near`: what `near(group)` gave)."""
+        return not isinstance(group.source, LocalKVSource) and near is None
 
     def near(self, group: PrefixGroup) -> NearData | None:
         """The new group's near-data attention when the config and its source allow it: a
