@@ -14,6 +14,11 @@ import pytest
 # wait take 6.8 s for both (one alone: 9% slower than spinning). Set before torch loads
 # (this module is imported first), and inherited by every process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray starts its worker processes (the deployments' decoder and shard actors) at nice 15, so
+# that its own daemons stay responsive. Beside three busy test workers at nice 0 that left a
+# deployment's actors a few percent of a core: a two-decoder deployment took 204 s to start
+# (42 s in an earlier run), its test worker waiting. Here they share the cores evenly.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def pytest_collection_finish(session):

@@ -62,13 +62,22 @@ def one_chunk(stats) -> float:
     return stats["full_bytes"] * 256 / stats["prefix_tokens"]
 
 
+_prefills: dict[tuple[int, ...], Prefix] = {}
+
+
 def published(builtin_model, builtin_runner, client, prompt) -> Prefix:
-    local = prefill_prefix(builtin_runner, prompt[:-9], observe=128)
+    """`prompt` less its last 9 tokens, published through `client` (from one exact prefill
+    per prompt in this module), as a prefix over the store."""
+    key = tuple(prompt)
+    if key not in _prefills:
+        _prefills[key] = prefill_prefix(builtin_runner, prompt[:-9], observe=128)
+    local = _prefills[key]
     layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
     publish_source(client, local.tokens, local.source, layout)
     cached = client.lookup(prompt, layout)
     assert cached.tokens == len(local.tokens)
-    return Prefix(local.tokens, StoreKVSource(client, cached), local.observed)
+    observed = [q.clone() for q in local.observed] if local.observed is not None else None
+    return Prefix(list(local.tokens), StoreKVSource(client, cached), observed)
 
 
 def engine(builtin_model, builtin_runner, compressor="snapkv:budget=0.125", **config) -> Engine:
