@@ -188,8 +188,7 @@ class Admission:
         return fresh
 
     def _admit_some(self, candidates: list[Ticket]) -> list[Running]:
-        """Try `candidates` in order; stop early when one that does not fit has been passed
-        too often (it then waits alone)."""
+        """Try `candidates` in order, up to one not fitting that was passed too often (it waits)."""
         admitted = []
         for ticket in candidates:
             try:
@@ -241,8 +240,8 @@ class Admission:
         grows = group is not None and capacity > group.room
         if grows and group.resident_charged and not group.pinned:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
-        near = None  # a new group's near-data offer, asked of its source once
-        if group is None:
+        near = None  # a new group's near-data offer: its source is asked once
+        if new_group:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
             near = self.residency.near(group)
             pulls = self.residency.pulls(group, near)
@@ -280,16 +279,9 @@ class Admission:
         running.stats.compress_s = time.perf_counter() - t0
         return running
 
-    def _charges(
-        self,
-        ticket: Ticket,
-        group: PrefixGroup,
-        new_group: bool,
-        capacity: int,
-        near: NearData | None,
-    ) -> _Charges:
-        """What admitting the ticket's request into `group` would reserve (`near`: a new
-        group's near-data attention, `Residency.near`)."""
+    def _charges(self, ticket: Ticket, group: PrefixGroup, new_group: bool, capacity: int,
+                 near: NearData | None) -> _Charges:  # fmt: skip
+        """What admitting the ticket's request into `group` would reserve (`near`: its offer)."""
         room = max(group.room, capacity)
         buffers = self.footprint.buffers_growth(group, room)
         # A prefix held in local memory (prefilled here, not in the store) counts too; what
