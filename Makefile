@@ -47,8 +47,8 @@ demo: install
 # Three pytest-xdist workers by default, each taking one test file at a time (`--dist
 # loadfile`: a module's fixtures start once, on one worker; the files that share one
 # package-scoped deployment go together, and so do the largest deployments, one at a time:
-# tests/conftest.py's SHARED_WORKER). Measured on 2 cores: 961 tests in 15:57, the cores
-# 96% busy; 870 tests took 35:45 in one process, which left the cores 44% idle (tests
+# tests/conftest.py's SHARED_WORKER). Measured on 2 cores: 961 tests in 15:26-17:56, the
+# cores 95% busy; 870 tests took 35:45 in one process, which left the cores 44% idle (tests
 # waiting on Ray, SSH, subprocesses). Files go out in collection order
 # (`--no-loadscope-reorder`; xdist would sort them by test count), so the tests/cluster
 # modules sharing one deployment (ordered last in their package) never precede another
