@@ -9,11 +9,14 @@ are passed over), what a failed stream means, and how the answers are checked (s
 layer, CRC-32C) and assembled in chunk order. A stream that fails with UNAVAILABLE,
 DATA_LOSS (corrupt at rest or in transit), NOT_FOUND, a deadline or a cancel is reopened
 on the next live replica of its chunks and the current query is sent again (UNAVAILABLE
-quarantines the shard, as for a fetch); with no replica left the query fails (NotFound when
-every copy was missing or corrupt, else Unavailable). A shard without the caller's kernel
-(FAILED_PRECONDITION) is `KernelMismatch`; a refusal over the shard's limits is
-`LimitExceeded`; every other status fails at once. A query either returns partials for
-every chunk or raises: the caller then pulls the KV (`StoreClient.fetch_layers`).
+quarantines the shard, as for a fetch). A stream that answered earlier queries and is then
+cancelled was most likely cut by the shard for being quiet (`CallBounds.stream_idle_s`)
+just as the query went out: it is reopened on the same shard once first. With no replica
+left the query fails (NotFound when every copy was missing or corrupt, else Unavailable).
+A shard without the caller's kernel (FAILED_PRECONDITION) is `KernelMismatch`; a refusal
+over the shard's limits is `LimitExceeded`; every other status fails at once. A query
+either returns partials for every chunk or raises: the caller then pulls the KV
+(`StoreClient.fetch_layers`).
 """
 
 from __future__ import annotations
@@ -241,6 +244,14 @@ _END = None
 """What ends a stream's request queue."""
 
 
+def _cut_while_quiet(link: AttendLink, error: BaseException) -> bool:
+    """Whether `link` failed the way a stream the shard cut for quietness fails when the
+    cut crosses the next query (`AttentionSession._revived` catches the cuts seen before
+    it): cancelled after answering earlier queries."""
+    code = error.code() if isinstance(error, grpc.RpcError) else None
+    return link.answered > 0 and code == grpc.StatusCode.CANCELLED
+
+
 class AttendLink:
     """One Attend stream to one shard, open for the session: requests go through a queue
     that gRPC consumes; a reader thread puts each response (or the stream's end, as an
@@ -252,6 +263,8 @@ class AttendLink:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._requests.put(header)
         self._call = method(iter(self._requests.get, _END), metadata=metadata)
+        self.answered = 0
+        """Answers received: a stream that answered before may since have been cut as quiet."""
         self.ended = threading.Event()
         """Set once the response stream is over (the shard closed or cut it, or it failed)."""
         reader = threading.Thread(target=self._read, name=f"attend-{part.shard_id}", daemon=True)
@@ -281,6 +294,7 @@ class AttendLink:
             ) from None
         if isinstance(item, BaseException):
             raise item
+        self.answered += 1
         return item
 
     def close(self) -> None:
@@ -388,7 +402,10 @@ class AttentionSession:
     def _replace(self, link: AttendLink, error: BaseException, query: Query) -> list[AttendLink]:
         link.close()
         self._links.remove(link)
-        fresh = [self._open(part) for part in self.route.failed(link.part, error)]
+        if _cut_while_quiet(link, error):
+            fresh = [self._open(link.part)]  # answered == 0: a second cancel fails over
+        else:
+            fresh = [self._open(part) for part in self.route.failed(link.part, error)]
         for new in fresh:
             self._send(new, query)
         self._links.extend(fresh)
