@@ -47,7 +47,7 @@ def token_of(ns, usage_error) -> str:
 def default_endpoint(usage_error, tls) -> str:
     """The local service's first decoder; a usage error when there is none, or when it
     serves TLS and `tls` (the client's) is None."""
-    from cluster.serve import read_state
+    from cluster.state import read_state
 
     state = read_state()
     decoders = state.get("decoders") or []

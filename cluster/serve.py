@@ -35,7 +35,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import ray_auth
-from cluster.config_file import ConfigError
 from cluster.decoder_actor import DECODER_RESOURCE, decoder_actor
 from cluster.paths import (
     home,
@@ -62,41 +61,6 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "vericache"
 """Ray namespace of a deployment's actors (named `redis`, `shard-i`, `decoder-i`)."""
-
-
-def read_state() -> dict:
-    """What the running `vericache serve` on this machine wrote (endpoints, redis_url)."""
-    path = state_file()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no running service found ({path} missing): start one with `vericache serve`, "
-            "or pass --redis-url / --endpoint"
-        )
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as error:
-        raise ConfigError(f"{path}: not a state file ({type(error).__name__})") from None
-    if not _well_formed(state):
-        raise ConfigError(f"{path}: not a state file as `vericache serve` writes it")
-    return state
-
-
-STATE_TYPES = {"endpoints": list, "decoders": list, "routers": list, "metrics": dict}
-STATE_TYPES |= {"lmcache": str, "redis_url": str, "tls": str, "metrics_token": str}
-"""The state file's fields that commands read, and their types (lists and dicts of str)."""
-
-
-def _well_formed(state) -> bool:
-    if not isinstance(state, dict):
-        return False
-    for name, kind in STATE_TYPES.items():
-        value = state.get(name, kind())
-        if not isinstance(value, kind):
-            return False
-        items = value.values() if kind is dict else value if kind is list else ()
-        if not all(isinstance(item, str) for item in items):
-            return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)

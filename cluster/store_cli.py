@@ -326,7 +326,7 @@ def _compressor(spec: str) -> str:
 
 
 def metadata(ns) -> Metadata:
-    from cluster.serve import read_state
+    from cluster.state import read_state
     from prefix_store.metadata import Metadata
 
     url = ns.redis_url or read_state()["redis_url"]
@@ -539,7 +539,7 @@ def _live(ns) -> dict | None:
     """Live figures from the metrics endpoints of the service this machine runs (None
     when the status is of another deployment, by --redis-url)."""
     from cluster.live import live_figures
-    from cluster.serve import read_state
+    from cluster.state import read_state
 
     try:
         state = read_state()

@@ -27,6 +27,7 @@ import torch
 from decoder.config import ModelConfig
 from decoder.errors import ModelLoadError
 from decoder.progress import progress
+from decoder.tokenizer import load_tokenizer
 from decoder.weights import (
     ModelWeights,
     head_from_hf_state,
@@ -53,7 +54,8 @@ class LoadedModel:
     weights: ModelWeights | None
     """None once a runner owns them (`without_weights`)."""
     tokenizer: Any
-    """A `transformers` tokenizer (fast, from `tokenizer.json`)."""
+    """`decoder.tokenizer.Tokenizer` (`tokenizer.json` run by `tokenizers`), or
+    `transformers`' `AutoTokenizer` for a folder that needs more (`load_tokenizer`)."""
     fingerprint: str
     """Hex digest that identifies the weights and architecture (stable across loads)."""
 
@@ -210,13 +212,9 @@ def _step(bar, upcoming: str) -> None:
 def _load_hf_folder(folder: Path, *, name: str, weights: bool = True) -> LoadedModel:
     """The model in `folder`; without `weights` only its config, tokenizer and identity
     (`load_runner` reads the weights itself)."""
-    from transformers import AutoTokenizer
-
     with _weight_files(folder) as (config, get):
         loaded = weights_from_hf_state(config, get) if weights else None
-    if not (folder / "tokenizer.json").exists():
-        raise ModelLoadError(f"{folder}: no tokenizer.json")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(folder)
     return LoadedModel(
         name=name,
         path=folder,

@@ -214,9 +214,8 @@ def load_tokenizer(model: str | None):
     """The decoders' tokenizer alone (no weights): routing text prompts needs only it."""
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
     from decoder.loader import builtin_model_dir, default_cache_dir
+    from decoder.tokenizer import load_tokenizer
 
     folder = builtin_model_dir(default_cache_dir()) if model is None else Path(model)
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_tokenizer(folder)

@@ -1,6 +1,6 @@
-"""The CLI imports Ray, gRPC, Redis and transformers only in the commands that use them:
-`vericache --help` imports none of them, and an in-process generate (every mode) none but
-the tokenizer's transformers."""
+"""The CLI imports Ray, gRPC, Redis, torch and transformers only in the commands that use
+them: `vericache --help` imports none of them, an in-process generate (every mode) only
+torch, and the tenant commands only Redis."""
 
 from __future__ import annotations
 
@@ -38,4 +38,20 @@ def test_an_in_process_generate_needs_no_ray_grpc_or_redis():
             f"    assert main(['generate', '--prompt', 'def f(n):', '--max-new-tokens', '2', "
             f"'--mode', '{mode}']) == 0"
         )
-        assert set(imported_after(code)) == {"torch", "transformers"}, mode
+        assert set(imported_after(code)) == {"torch"}, mode
+
+
+def test_tenant_commands_need_only_redis(redis_server):
+    """What operators script (`tenant add`, `tenant list`) starts in a fraction of a second:
+    no Ray, no model runtime."""
+    for command in (
+        ["tenant", "add", "lazy-imports"],
+        ["tenant", "list"],
+        ["tenant", "remove", "lazy-imports"],
+    ):
+        code = (
+            "import contextlib, io\nfrom cluster.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    assert main({command + ['--redis-url', redis_server.url]!r}) == 0"
+        )
+        assert imported_after(code) == ["redis"], command

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli import main
-from cluster.serve import read_state
+from cluster.state import read_state
 from prefix_store.config import MiB
 from prefix_store.metrics import scrape
 from tests.cluster.conftest import deployed

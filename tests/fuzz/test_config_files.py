@@ -1,6 +1,6 @@
 """The operator's files: `vericache serve --config FILE.yaml` with VERICACHE_* variables
 (`cluster.config_file`), and the state file a running service writes (`cluster.json`, read
-by `vericache status`, `tenant ...`, `publish`: `cluster.serve.read_state`). Clear errors:
+by `vericache status`, `tenant ...`, `publish`: `cluster.state.read_state`). Clear errors:
 what the CLI reports in one line with exit status 2 (ConfigError, UsageError,
 InvalidArgument, FileNotFoundError), never a traceback."""
 
@@ -119,7 +119,7 @@ STATE = st.fixed_dictionaries(
 
 
 def read_state_file(tmp_path, raw: bytes):
-    from cluster.serve import read_state
+    from cluster.state import read_state
 
     (tmp_path / "cluster.json").write_bytes(raw)
     with mock.patch.dict(os.environ, {"VERICACHE_HOME": str(tmp_path)}):

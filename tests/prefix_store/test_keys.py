@@ -1,4 +1,5 @@
-"""Chunk keys: LMCache's chained chunk hashing, seeded per model, layout and namespace."""
+"""Chunk keys: LMCache's chained chunk hashing (checked against LMCache's own code), seeded
+per model, layout and namespace."""
 
 from __future__ import annotations
 
@@ -29,19 +30,23 @@ def test_keys_chain_over_chunks_and_keep_a_partial_last_chunk():
     assert chunk_keys(TOKENS[:512], LAYOUT, b"salt") == keys[:2]
 
 
-def test_keys_match_lmcache_chunked_token_database_with_the_same_hash():
+@pytest.mark.parametrize("chunk_tokens", [16, 256])
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 255, 256, 257, 700])
+def test_keys_match_lmcache_chunked_token_database_with_the_same_hash(chunk_tokens, length):
     """Our keys are what LMCache's ChunkedTokenDatabase computes with sha256_cbor_64bit
-    and the chain seeded by our namespace seed."""
+    and the chain seeded by our namespace seed, partial last chunk included."""
     from lmcache.v1.token_database import ChunkedTokenDatabase
 
+    layout = KVLayout("m@1", "float32", 30, 3, 64, chunk_tokens=chunk_tokens)
+    tokens = [(7919 * i) % 49152 for i in range(length)]
     database = ChunkedTokenDatabase.__new__(ChunkedTokenDatabase)
     database.config, database.metadata, database.save_only_first_rank = None, None, False
-    database.chunk_size = LAYOUT.chunk_tokens
+    database.chunk_size = chunk_tokens
     database.hash_func = sha256_cbor_64bit
-    seed = chain_seed(LAYOUT, b"salt")
+    seed = chain_seed(layout, b"salt")
     database._get_init_hash = lambda: seed
-    expected = [key for _, _, key in database.process_tokens(TOKENS, make_key=False)]
-    assert chunk_keys(TOKENS, LAYOUT, b"salt") == expected
+    expected = [key for _, _, key in database.process_tokens(tokens, make_key=False)]
+    assert chunk_keys(tokens, layout, b"salt") == expected
 
 
 @pytest.mark.parametrize(

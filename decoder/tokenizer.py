@@ -1,0 +1,119 @@
+"""A model's tokenizer, read from its Hugging Face folder without importing `transformers`.
+
+`transformers`' `AutoTokenizer` costs about 2.5 CPU-seconds of imports in every process that
+loads a model (each decoder, router and CLI run), for what `tokenizer.json` alone defines:
+a fast tokenizer is the `tokenizers` library running that file. `Tokenizer` runs it the
+same way, with the special tokens of `tokenizer_config.json`. Chat templates are rendered
+by `transformers`' own renderer (its jinja2 sandbox and input hardening), imported at the
+first chat conversation only, and the result is tokenized without special tokens, as
+`apply_chat_template` does.
+
+A folder whose `tokenizer_config.json` asks for behaviour outside `tokenizer.json` (a
+tokenizer class of its own, BOS/EOS insertion flags that rewrite the post-processor, or
+decoding's clean-up of spaces)
+is not this class's to serve: `load_tokenizer` gives it to `AutoTokenizer` instead.
+tests/decoder/test_tokenizer.py checks this class against `AutoTokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from decoder.errors import ModelLoadError
+
+PLAIN_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""`tokenizer_class` values whose fast tokenizer is `tokenizer.json` run as it is."""
+REWRITING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space")
+"""`tokenizer_config.json` keys with which `transformers` rewrites the post-processor."""
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")  # fmt: skip
+
+
+class Tokenizer:
+    """`tokenizer.json` run by the `tokenizers` library, with the folder's special tokens and
+    chat template. The methods used here mirror `transformers`' fast tokenizers."""
+
+    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self._backend = Backend.from_file(str(folder / "tokenizer.json"))
+        self.special_tokens_map = {
+            name: _content(config[name]) for name in SPECIAL_NAMES if config.get(name) is not None
+        }
+        self.chat_template = _chat_template(folder, config)
+        eos = self.special_tokens_map.get("eos_token")
+        self.eos_token_id = None if eos is None else self._backend.token_to_id(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, **_: Any
+    ) -> list[int]:
+        """Token ids of `messages` through the chat template (no special tokens added
+        around the rendered text: the template writes its own)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self.chat_template:
+            raise ModelLoadError("this tokenizer has no chat template")
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rendered, _ = render_jinja_template(
+            conversations=[chat],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens_map,
+        )
+        return self.encode(rendered[0], add_special_tokens=False)
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer: a `Tokenizer` where `tokenizer.json` defines it all, else
+    `transformers`' `AutoTokenizer` (see the module docstring)."""
+    if not (folder / "tokenizer.json").exists():
+        raise ModelLoadError(f"{folder}: no tokenizer.json")
+    config = _tokenizer_config(folder)
+    plain = config.get("tokenizer_class", "PreTrainedTokenizerFast") in PLAIN_CLASSES
+    rewrites = any(key in config for key in REWRITING_KEYS)
+    if plain and not rewrites and not config.get("clean_up_tokenization_spaces"):
+        return Tokenizer(folder, config)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return config
+
+
+def _content(token: Any) -> str:
+    """A special token as `tokenizer_config.json` writes it: a string or an AddedToken dict."""
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """`chat_template.jinja`, else the config's template (a string, or named ones: "default")."""
+    path = folder / "chat_template.jinja"
+    if path.exists():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
