@@ -12,10 +12,13 @@ verification of T tokens over a prefix of each context (its KV random: timing do
 depend on the values), with either kernel. With --shared, exact passes of many requests
 over one prefix buffer (`SharedPrefixView`s), with the prefix attended once for all of them
 (one `prefix_id`) and per request (none): a verification of R x T tokens and a decode step
-of R x 1. Passes run max(3, repeats / 3) times.
+of R x 1. With --drafts, draft steps (fast mode, fp16 draft weights) of 1, 2, 4, 8 and 16
+requests over one compressed prefix (an eighth of each context, kept by StreamingLLM; the
+requests' own tails 48-64 tokens), their attention stacked (`DraftStack`) and per request.
+Passes and steps run max(3, repeats / 3) times.
 
 Usage: python bench/bench_attention.py [--contexts 4096 8192] [--tokens 1 4 8 16 32]
-       [--repeats 15] [--threads N] [--passes] [--shared] [--requests 16]
+       [--repeats 15] [--threads N] [--passes] [--shared] [--requests 16] [--drafts]
        [--out bench/results/attention.json]
 """
 
@@ -126,6 +129,40 @@ def bench_shared(runner, context: int, requests: int, tokens: int, repeats: int)
     return {"context": context, "requests": requests, "tokens": tokens, **timed_row(samples, 1)}
 
 
+def bench_drafts(runner, context: int, requests: int, repeats: int) -> dict:
+    """Median ms of one draft step of `requests` x 1 token over one compressed prefix of an
+    eighth of `context` tokens, stacked and per request, interleaved."""
+    import decoder.runner as runner_module
+    from decoder.compressors import parse_compressor
+    from decoder.draft_cache import DraftCache, DraftPrefix, DraftScratch
+    from decoder.kv_source import LocalKVSource
+
+    c = runner.config
+    pipeline = parse_compressor(f"streamingllm:sink=4,window={context // 8 - 4}")
+    source = LocalKVSource(_random_cache(runner, context, 0), context)
+    compressed = pipeline.compress(source, None, c.num_layers, c.num_kv_heads, c.head_dim)
+    scratch = DraftScratch(c.num_kv_heads, c.head_dim)
+    prefix = DraftPrefix(compressed, c.num_kv_heads, c.head_dim, scratch)
+    caches = [DraftCache(prefix, 80) for _ in range(requests)]
+    for r, cache in enumerate(caches):  # own tails of 48 + r tokens
+        tail = runner_module.SeqInput.extend(cache, list(range(100, 148 + r)), "none")
+        runner.forward([tail], "fast")
+    real = runner_module.draft_stacks
+    ways = {"per_request": lambda *args: {}, "stacked": real}
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    try:
+        for _ in range(repeats):
+            for name, way in ways.items():
+                runner_module.draft_stacks = way
+                seqs = [runner_module.SeqInput.extend(cache, [42], "all") for cache in caches]
+                samples[name].append(_once(lambda s=seqs: runner.forward(s, "fast")))
+                for cache in caches:
+                    cache.truncate(cache.tail_length - 1)
+    finally:
+        runner_module.draft_stacks = real
+    return {"context": context, "requests": requests, **timed_row(samples, 1)}
+
+
 def _random_cache(runner, context: int, extra: int):
     cache = runner.new_cache(capacity=context + extra)
     g = torch.Generator().manual_seed(context)
@@ -145,6 +182,7 @@ def main() -> None:
     p.add_argument("--passes", action="store_true", help="also time whole exact passes")
     p.add_argument("--shared", action="store_true", help="also time shared-prefix passes")
     p.add_argument("--requests", type=int, default=16, help="requests over the shared prefix")
+    p.add_argument("--drafts", action="store_true", help="also time stacked draft steps")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -168,6 +206,7 @@ def main() -> None:
         )
     passes = _passes(args) if args.passes else []
     shared = _shared(args) if args.shared else []
+    drafts = _drafts(args) if args.drafts else []
     meta = {
         "kernel": kernel,
         "threads": torch.get_num_threads(),
@@ -177,7 +216,10 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"meta": meta, "rows": rows, "passes": passes, "shared": shared}, indent=2)
+        json.dumps(
+            {"meta": meta, "rows": rows, "passes": passes, "shared": shared, "drafts": drafts},
+            indent=2,
+        )
     )
     print(f"\nwrote {args.out}")
 
@@ -222,6 +264,33 @@ def _shared(args) -> list[dict]:
     for r in rows:
         print(
             f"| {r['context']} | {r['requests']} x {r['tokens']} | "
+            f"{row_text(r, 'per_request_ms', '.1f')} | {row_text(r, 'stacked_ms', '.1f')} | "
+            f"{r['speedup']}x |"
+        )
+    return rows
+
+
+def _drafts(args) -> list[dict]:
+    runner = _runner()
+    runner.prepare_fast()
+    rows = []
+    shapes = [(context, n) for context in args.contexts for n in (1, 2, 4, 8, 16)]
+    for context, requests in progress(shapes, desc="draft steps", unit="shape"):
+        row = bench_drafts(runner, context, requests, pass_repeats(args))
+        rows.append(row)
+        note(
+            f"draft step of {requests} over one {context // 8}-token compressed prefix: per "
+            f"request {row['per_request_ms']} ms, stacked {row['stacked_ms']} ms "
+            f"({row['speedup']}x)"
+        )
+    print(f"\nms per draft step: median [min-max] of {pass_repeats(args)} runs")
+    print(
+        "| context (compressed) | requests | per request ms | stacked ms | speedup |"
+        "\n|---|---|---|---|---|"
+    )
+    for r in rows:
+        print(
+            f"| {r['context']} ({r['context'] // 8}) | {r['requests']} | "
             f"{row_text(r, 'per_request_ms', '.1f')} | {row_text(r, 'stacked_ms', '.1f')} | "
             f"{r['speedup']}x |"
         )

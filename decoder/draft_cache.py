@@ -12,16 +12,24 @@ new token's KV lands in the request's own tail. An unquantized compressed prefix
 once into its buffer. A quantized one stays packed and is decoded into a scratch buffer
 shared by every prefix, once per layer and draft step whatever the number of requests over
 it: its memory saving is real, and so is the decoding cost.
+
+Requests of one draft forward over the same prefix attend together (`DraftStack`), as the
+verifier's do over a shared full prefix: every member's query rows attend to the compressed
+prefix in one call, which reads its keys and values once for all of them instead of once
+per request, and each member's rows to its own tail in one batched call; the two are merged
+by their log-sum-exp. A request alone over its prefix takes the borrowed-buffer path above.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
 from decoder.compressors import CompressedKV, CompressedLayer
 from decoder.kv_cache import KVCache
+from numerics.cpu.forward import fast_attention_lse, merge_attention
 
 
 class _Buffer:
@@ -185,6 +193,22 @@ class DraftCache:
         if index == len(self._own) - 1:
             self.tail_length = self.appended  # every layer now holds the new tokens
 
+    def append_own(self, index: int, k: torch.Tensor, v: torch.Tensor, positions) -> _Buffer:
+        """Append to layer `index` of the own tail only (k, v: [KVH, t, D]; a `DraftStack`
+        member's turn); returns the layer's own buffer, `appended` tokens live."""
+        own, t0 = self._own[index], self.tail_length
+        t1 = t0 + positions.shape[0]
+        if t1 > own.capacity:
+            raise RuntimeError(f"draft tail overflow: {t1} > {own.capacity} tokens")
+        own.k[:, t0:t1], own.v[:, t0:t1] = k, v
+        own.positions[:, t0:t1] = positions
+        self.appended = t1
+        return own
+
+    def tail_positions(self) -> torch.Tensor:
+        """[tail_length] positions of the own tail (the same in every layer and head)."""
+        return self._own[0].positions[0, : self.tail_length]
+
     def truncate(self, tail_length: int) -> None:
         """Roll back to the first `tail_length` tail tokens."""
         self.tail_length = self.appended = tail_length
@@ -200,3 +224,106 @@ class DraftCache:
             own.k[:, start:end], own.v[:, start:end] = exact.k[:, start:end], exact.v[:, start:end]
             own.positions[:, start:end] = exact.positions[start:end]
         self.tail_length = self.appended = end
+
+
+class DraftStack:
+    """The draft forward's sequences over one shared compressed prefix (two or more), which
+    attend together at each layer (see the module docstring). Built once per forward: the
+    members' row layout and their tails' mask do not change from layer to layer.
+
+    Layouts: the stacked rows are R = sum of the members' new tokens, in member order; a
+    query head h reads kv head h // G (G = heads / kv heads), so queries are grouped as
+    [KVH, G * rows, D] against [KVH, keys, D].
+    """
+
+    def __init__(self, prefix: DraftPrefix, members: list[int], seqs, spans, scale: float):
+        self.prefix, self.members, self.scale = prefix, members, scale
+        self.caches: list[DraftCache] = [seqs[i].cache for i in members]
+        self.spans = [spans[i] for i in members]
+        self.positions = [seqs[i].positions for i in members]
+        self.rows = torch.cat([torch.arange(start, end) for start, end in self.spans])
+        self.new = [end - start for start, end in self.spans]
+        self.lengths = [c.tail_length + t for c, t in zip(self.caches, self.new, strict=True)]
+        self._tails = [  # every member's tail positions after this forward's tokens
+            torch.cat([c.tail_positions(), p])
+            for c, p in zip(self.caches, self.positions, strict=True)
+        ]
+        self._masks: dict[int, torch.Tensor] = {}
+        self._picks = self._picked()
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The members' attention output [R, H, D] at layer `index` (q: every row of the
+        forward, unscaled; k, v: every row's new keys and values [rows, KVH, D]), their new
+        tokens appended to their own tails."""
+        owns = [
+            c.append_own(index, k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), p)
+            for c, (s, e), p in zip(self.caches, self.spans, self.positions, strict=True)
+        ]
+        kv_heads, rows, heads = owns[0].k.shape[0], self.rows.numel(), q.shape[1]
+        group = heads // kv_heads
+        out, lse = self._tails_attended(q, owns, kv_heads, group)  # [KVH, G, R, D], [KVH, G, R]
+        buf, base = self.prefix.layer(index)
+        if base:
+            grouped = q[self.rows].view(rows, kv_heads, group, -1).permute(1, 2, 0, 3)
+            grouped = grouped.reshape(1, kv_heads, group * rows, -1)
+            keys, values = buf.k[None, :, :base], buf.v[None, :, :base]
+            prefix_out, prefix_lse = fast_attention_lse(grouped, keys, values, self.scale)
+            shape = (kv_heads, group, rows)
+            out = merge_attention(prefix_out.view(*shape, -1), prefix_lse.view(shape), out, lse)
+        for cache in self.caches:
+            cache.release(index)
+        return out.permute(2, 0, 1, 3).reshape(rows, heads, -1)
+
+    def _tails_attended(self, q, owns: list[_Buffer], kv_heads: int, group: int):
+        """Every member's rows over its own tail: one call over tails padded to the longest
+        (and rows to the most), masked by position; the real rows picked out."""
+        members, longest, most = len(owns), max(self.lengths), max(self.new)
+        dim = q.shape[-1]
+        queries = q.new_zeros(members, most, kv_heads * group, dim)
+        keys = q.new_zeros(members, kv_heads, longest, dim)
+        values = torch.zeros_like(keys)
+        for b, (own, (start, end), length) in enumerate(
+            zip(owns, self.spans, self.lengths, strict=True)
+        ):
+            queries[b, : end - start] = q[start:end]
+            keys[b, :, :length], values[b, :, :length] = own.k[:, :length], own.v[:, :length]
+        queries = queries.view(members, most, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+        queries = queries.reshape(members, kv_heads, group * most, dim)
+        mask = self._mask(group).to(queries.dtype)
+        out, lse = fast_attention_lse(queries, keys, values, self.scale, mask)
+        out = out.view(members, kv_heads, group, most, dim).permute(1, 2, 0, 3, 4)
+        lse = lse.view(members, kv_heads, group, most).permute(1, 2, 0, 3)
+        out = out.reshape(kv_heads, group, members * most, dim).index_select(2, self._picks)
+        return out, lse.reshape(kv_heads, group, members * most).index_select(2, self._picks)
+
+    def _mask(self, group: int) -> torch.Tensor:
+        """Additive [members, 1, G * most, longest]: a row sees its own member's tail keys
+        at positions up to its own; padding rows and keys see nothing."""
+        if group not in self._masks:
+            members, longest, most = len(self.caches), max(self.lengths), max(self.new)
+            seen = torch.zeros(members, most, longest, dtype=torch.bool)
+            for b, (tail, positions) in enumerate(zip(self._tails, self.positions, strict=True)):
+                seen[b, : positions.numel(), : tail.numel()] = tail[None, :] <= positions[:, None]
+            mask = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+            self._masks[group] = mask.repeat(1, group, 1).unsqueeze(1)
+        return self._masks[group]
+
+    def _picked(self) -> torch.Tensor:
+        """Each real row's index among the padded rows (member b's row i: b * most + i)."""
+        most = max(self.new)
+        return torch.cat([torch.arange(t) + b * most for b, t in enumerate(self.new)])
+
+
+def draft_stacks(seqs: Sequence, spans, scale: float) -> dict[int, DraftStack]:
+    """The stack of each sequence of a draft forward that shares its compressed prefix with
+    another one in it, by sequence index."""
+    groups: dict[int, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        if isinstance(seq.cache, DraftCache):
+            groups.setdefault(id(seq.cache.prefix), []).append(i)
+    stacks: dict[int, DraftStack] = {}
+    for members in groups.values():
+        if len(members) > 1:
+            stack = DraftStack(seqs[members[0]].cache.prefix, members, seqs, spans, scale)
+            stacks.update(dict.fromkeys(members, stack))
+    return stacks

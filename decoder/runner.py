@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoder.config import Mode, ModelConfig, RunnerConfig, ceil_to
+from decoder.draft_cache import draft_stacks
 from decoder.errors import ExactModeUnsupported
 from decoder.kv_cache import KVCache
 from decoder.quant import LinearFn, int8_engine, low_precision_linear
@@ -203,8 +204,9 @@ class ModelRunner:
         cos, sin = self.rope.lookup(positions)  # [rows, D] each
         plans = [self._plan(s) for s in seqs] if exact else [None] * len(seqs)
         linears = _Linears(self.layers, self.lm_head) if exact else self._draft_linears()
+        drafts = {} if exact else draft_stacks(seqs, spans, self.scale)
         for index, layer in enumerate(linears.layers):
-            x = x + self._attention(index, layer, x, cos, sin, seqs, spans, plans)
+            x = x + self._attention(index, layer, x, cos, sin, seqs, spans, plans, drafts)
             x = x + self._mlp(layer, x)
         return self._logits(x, seqs, spans, exact, linears.lm_head)
 
@@ -270,7 +272,7 @@ class ModelRunner:
             fused=fused_kernel(self.config.head_dim) is not None,
         )
 
-    def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, plans):
+    def _attention(self, index: int, w: _PackedLayer, x, cos, sin, seqs, spans, plans, drafts):
         c = self.config
         h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
         qkv = w.wqkv(h)  # [rows, (H + 2*KVH) * D]
@@ -294,7 +296,11 @@ class ModelRunner:
         for stack in dict.fromkeys(remote.values()):
             stack.start(q)  # every prefix's shards work while we wait for the first
         stacks.update(remote)
+        for stack in dict.fromkeys(drafts.values()):
+            out[stack.rows] = stack.attend(index, q, k, v)
         for i, (seq, (start, end), plan) in enumerate(zip(seqs, spans, plans, strict=True)):
+            if i in drafts:
+                continue
             layer_kv = seq.cache.layer(index)
             layer_kv.append(
                 k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), seq.positions

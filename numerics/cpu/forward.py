@@ -378,6 +378,36 @@ def fast_attention(
     return out[0].transpose(0, 1)
 
 
+def fast_attention_lse(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of equal-headed batches with its log-sum-exp, so that attention over two
+    disjoint key sets can be merged (`merge_attention`): torch's fused CPU kernel.
+
+    q: [B, N, T, D], keys/values: [B, N, S, D], mask: additive float [B, 1, T, S] or None.
+    Returns (out [B, N, T, D], lse [B, N, T]). A row whose every key is masked gets 0 and
+    lse 0: callers never read such rows. No exactness guarantee: for drafting.
+    """
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each one's (out [..., D],
+    lse [...]) (online-softmax rescaling)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - lse), torch.exp(lse_b - lse)
+    return out_a * weight_a.unsqueeze(-1) + out_b * weight_b.unsqueeze(-1)
+
+
 def _ceil_to(n: int, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= n and >= multiple (`decoder.config.ceil_to`)."""
     return max(multiple, math.ceil(n / multiple) * multiple)
