@@ -92,7 +92,9 @@ def test_a_rolled_back_member_stacks_with_the_others(runner, prefix):
 
 
 def test_requests_over_different_prefixes_do_not_stack(runner, prefix):
-    other = DraftPrefix(prefix.compressed, CONFIG.num_kv_heads, CONFIG.head_dim, DraftScratch(2, 16))
+    other = DraftPrefix(
+        prefix.compressed, CONFIG.num_kv_heads, CONFIG.head_dim, DraftScratch(2, 16)
+    )
     caches = [DraftCache(prefix, 8), DraftCache(other, 8), DraftCache(prefix, 8)]
     seqs = [SeqInput.extend(c, [1], "all") for c in caches]
     stacks = draft_stacks(seqs, [(0, 1), (1, 2), (2, 3)], 1.0)
