@@ -99,12 +99,9 @@ class EngineStats:
         """Mean seconds of the engine's draft and full-KV steps since `since` (a request's
         life), for the kinds it took: what the DESIGN.md section 10 bound divides."""
         times = {}
-        if self.draft_steps > since.draft_steps:
-            times["draft_step_s"] = (self.draft_s - since.draft_s) / (
-                self.draft_steps - since.draft_steps
-            )
-        if self.full_steps > since.full_steps:
-            times["full_step_s"] = (self.full_s - since.full_s) / (
-                self.full_steps - since.full_steps
-            )
-        return {key: round(value, 5) for key, value in times.items()}
+        for kind in ("draft", "full"):
+            steps = getattr(self, f"{kind}_steps") - getattr(since, f"{kind}_steps")
+            if steps > 0:
+                seconds = getattr(self, f"{kind}_s") - getattr(since, f"{kind}_s")
+                times[f"{kind}_step_s"] = round(seconds / steps, 5)
+        return times
