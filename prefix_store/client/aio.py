@@ -16,7 +16,9 @@ import grpc.aio
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client import core as policy
+from prefix_store.client.aio_attention import AsyncAttentionSession
 from prefix_store.client.channels import Connections
+from prefix_store.client.near_data import AttendRoute
 from prefix_store.client.plan import ArtifactReceipt, CachedPrefix, Topology, artifact_messages
 from prefix_store.client.retry import Attempts, retrying_async
 from prefix_store.client.transfer import Cancels, receive
@@ -251,6 +253,18 @@ class AsyncStoreClient:
         await asyncio.to_thread(receive, stream.data_address, redeem, *args)
 
     # ---- artifacts, delete, stats ---------------------------------------------------------
+
+    # ---- near-data attention --------------------------------------------------------------
+
+    async def open_attention(
+        self, prefix: CachedPrefix, heads: int, kernel: str
+    ) -> AsyncAttentionSession:
+        """As `StoreClient.open_attention`: a session whose `await query(layer, q)` gives
+        the partials computed by the shards holding the prefix's full chunks."""
+        await self._fresh()
+        return AsyncAttentionSession(
+            self.core, self._conn, AttendRoute(self.core, prefix, heads, kernel)
+        )
 
     async def put_artifact(
         self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None = None

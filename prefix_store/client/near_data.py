@@ -244,12 +244,14 @@ _END = None
 """What ends a stream's request queue."""
 
 
-def _cut_while_quiet(link: AttendLink, error: BaseException) -> bool:
+def cut_while_quiet(link, error: BaseException) -> bool:
     """Whether `link` failed the way a stream the shard cut for quietness fails when the
     cut crosses the next query (`AttentionSession._revived` catches the cuts seen before
-    it): cancelled after answering earlier queries."""
+    it): cancelled, or found over by the query's write (asyncio), after answering earlier
+    queries."""
     code = error.code() if isinstance(error, grpc.RpcError) else None
-    return link.answered > 0 and code == grpc.StatusCode.CANCELLED
+    broke = getattr(link, "broke", False)
+    return link.answered > 0 and (code == grpc.StatusCode.CANCELLED or broke)
 
 
 class AttendLink:
@@ -302,21 +304,13 @@ class AttendLink:
         self._call.cancel()
 
 
-class AttentionSession:
-    """Near-data attention over one cached prefix's full chunks (`chunks`), for one
-    decoder thread: `query(layer, q)` returns `attention.Partials` ([C, T, H] m and l,
-    [C, T, H, D] acc, chunk order) computed by the shards, bitwise what
-    `attention.chunk_partials` gives locally on the same chunks. Streams open at the first
-    query and stay open until `close` (or a failed query, after which the next one opens
-    them again). Not thread-safe: one query at a time.
-
-    Counters: `bytes_sent`/`bytes_received` (messages), `wire_s` (time waiting on the
+class SessionBase:
+    """What the threaded and the asyncio session share: the route, the chunks it covers and
+    the counters: `bytes_sent`/`bytes_received` (messages), `wire_s` (time waiting on the
     shards), `shard_s` (the shards' compute on that path: per query, the slowest shard's)."""
 
     def __init__(self, core: ClientCore, connections, route: AttendRoute) -> None:
         self.core, self._conn, self.route = core, connections, route
-        self._links: list[AttendLink] = []
-        self._pending: Query | None = None
         self.bytes_sent = self.bytes_received = 0
         self.wire_s = self.shard_s = 0.0
         self.queries = 0
@@ -333,6 +327,20 @@ class AttentionSession:
 
     def kernels_match(self, kernel: str | None = None) -> bool:
         return self.route.kernels_match(kernel)
+
+
+class AttentionSession(SessionBase):
+    """Near-data attention over one cached prefix's full chunks (`chunks`), for one
+    decoder thread: `query(layer, q)` returns `attention.Partials` ([C, T, H] m and l,
+    [C, T, H, D] acc, chunk order) computed by the shards, bitwise what
+    `attention.chunk_partials` gives locally on the same chunks. Streams open at the first
+    query and stay open until `close` (or a failed query, after which the next one opens
+    them again). Not thread-safe: one query at a time. Counters: see `SessionBase`."""
+
+    def __init__(self, core: ClientCore, connections, route: AttendRoute) -> None:
+        super().__init__(core, connections, route)
+        self._links: list[AttendLink] = []
+        self._pending: Query | None = None
 
     def query(self, layer: int, q: torch.Tensor):
         """Partials of `q` ([rows, heads, head_dim] float32) over every chunk, or raises
@@ -402,7 +410,7 @@ class AttentionSession:
     def _replace(self, link: AttendLink, error: BaseException, query: Query) -> list[AttendLink]:
         link.close()
         self._links.remove(link)
-        if _cut_while_quiet(link, error):
+        if cut_while_quiet(link, error):
             fresh = [self._open(link.part)]  # answered == 0: a second cancel fails over
         else:
             fresh = [self._open(part) for part in self.route.failed(link.part, error)]
