@@ -8,10 +8,12 @@ by `transformers`' own renderer (its jinja2 sandbox and input hardening), import
 first chat conversation only, and the result is tokenized without special tokens, as
 `apply_chat_template` does.
 
-A folder whose `tokenizer_config.json` asks for behaviour outside `tokenizer.json` (a
-tokenizer class of its own, BOS/EOS insertion flags that rewrite the post-processor, or
-decoding's clean-up of spaces)
-is not this class's to serve: `load_tokenizer` gives it to `AutoTokenizer` instead.
+`Tokenizer` serves only folders where `tokenizer.json` says it all: `tokenizer_config.json`
+names a generic tokenizer class, every special token it names is a special token of
+`tokenizer.json`, and nothing else changes the backend (BOS/EOS insertion flags that
+rewrite the post-processor, more special tokens, `added_tokens_decoder`, clean-up of spaces
+in decoding, an older `special_tokens_map.json`). `load_tokenizer` gives any other folder
+to `AutoTokenizer`.
 tests/decoder/test_tokenizer.py checks this class against `AutoTokenizer`.
 """
 
@@ -25,8 +27,9 @@ from decoder.errors import ModelLoadError
 
 PLAIN_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 """`tokenizer_class` values whose fast tokenizer is `tokenizer.json` run as it is."""
-REWRITING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space")
-"""`tokenizer_config.json` keys with which `transformers` rewrites the post-processor."""
+REWRITING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space", "added_tokens_decoder",
+                  "additional_special_tokens", "extra_special_tokens")  # fmt: skip
+"""`tokenizer_config.json` keys with which `transformers` changes the backend it loads."""
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")  # fmt: skip
 
@@ -35,10 +38,8 @@ class Tokenizer:
     """`tokenizer.json` run by the `tokenizers` library, with the folder's special tokens and
     chat template. The methods used here mirror `transformers`' fast tokenizers."""
 
-    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
-        from tokenizers import Tokenizer as Backend
-
-        self._backend = Backend.from_file(str(folder / "tokenizer.json"))
+    def __init__(self, folder: Path, config: dict[str, Any], backend=None) -> None:
+        self._backend = backend if backend is not None else _backend(folder)
         self.special_tokens_map = {
             name: _content(config[name]) for name in SPECIAL_NAMES if config.get(name) is not None
         }
@@ -80,13 +81,37 @@ def load_tokenizer(folder: Path):
     if not (folder / "tokenizer.json").exists():
         raise ModelLoadError(f"{folder}: no tokenizer.json")
     config = _tokenizer_config(folder)
-    plain = config.get("tokenizer_class", "PreTrainedTokenizerFast") in PLAIN_CLASSES
-    rewrites = any(key in config for key in REWRITING_KEYS)
-    if plain and not rewrites and not config.get("clean_up_tokenization_spaces"):
-        return Tokenizer(folder, config)
+    if _plain(folder, config):
+        backend = _backend(folder)
+        if _specials_are_special(backend, config):
+            return Tokenizer(folder, config, backend)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _backend(folder: Path):
+    from tokenizers import Tokenizer as Backend
+
+    return Backend.from_file(str(folder / "tokenizer.json"))
+
+
+def _plain(folder: Path, config: dict[str, Any]) -> bool:
+    """Whether nothing in the folder but `tokenizer.json` shapes the tokenizer."""
+    return (
+        config.get("tokenizer_class") in PLAIN_CLASSES
+        and not any(key in config for key in REWRITING_KEYS)
+        and not config.get("clean_up_tokenization_spaces")
+        and not (folder / "special_tokens_map.json").exists()
+    )
+
+
+def _specials_are_special(backend, config: dict[str, Any]) -> bool:
+    """Whether every special token the config names is a special token of the backend
+    (`transformers` would otherwise register it as one: skipped in decoding, never split)."""
+    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    named = [_content(config[name]) for name in SPECIAL_NAMES if config.get(name) is not None]
+    return all(token in special for token in named)
 
 
 def _tokenizer_config(folder: Path) -> dict[str, Any]:

@@ -36,8 +36,9 @@ class AsyncAttendLink:
         self.header: pb.AttendRequest | None = header
         self.answered = 0
         """Answers received: a stream that answered before may since have been cut as quiet."""
-        self.broke = False
-        """Whether a write found the stream over (a shard gone, or a cut crossing it)."""
+        self.cut = False
+        """Whether the query's write found the stream already over (a shard gone, or the
+        shard's quiet cut crossing the query): `near_data.cut_while_quiet` reopens it once."""
 
     @property
     def ended(self) -> bool:
@@ -45,26 +46,35 @@ class AsyncAttendLink:
         return self.call.done()
 
     async def exchange(self, query: Query, timeout_s: float) -> pb.AttendResponse:
-        """`query`'s answer; raises the stream's error, or Unavailable after `timeout_s`."""
+        """`query`'s answer; raises the stream's error, or Unavailable when the writes and
+        the answer take over `timeout_s` together (a shard that stalls without closing)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._exchange(query)
+        except TimeoutError:
+            self.close()
+            raise Unavailable(
+                f"attend: {self.part.shard_id} did not answer within {timeout_s} s"
+            ) from None
+
+    async def _exchange(self, query: Query) -> pb.AttendResponse:
+        broke = False
         try:
             if self.header is not None:
                 await self.call.write(self.header)
                 self.header = None
             await self.call.write(query.request)
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
-            self.broke = True  # reading gives the stream's status, if it ended by itself
+            broke = True  # the stream is over: reading it gives its status
         try:
-            item = await asyncio.wait_for(self.call.read(), timeout_s)
-        except TimeoutError:
-            self.close()
-            raise Unavailable(
-                f"attend: {self.part.shard_id} did not answer within {timeout_s} s"
-            ) from None
+            item = await self.call.read()
         except grpc.aio.AioRpcError as error:
-            if self.broke and error.code() == grpc.StatusCode.INTERNAL:
-                # the failed write ended the call itself, with a generic status
+            if broke and error.code() == grpc.StatusCode.INTERNAL:
+                # the failed write ended the call itself, with a generic status: the stream
+                # was over before the query went out (a shard gone, or a quiet cut)
+                self.cut = True
                 raise Unavailable(
-                    f"attend: the stream to {self.part.shard_id} broke while sending"
+                    f"attend: the stream to {self.part.shard_id} was over before the query"
                 ) from error
             raise
         if item is grpc.aio.EOF:
@@ -95,9 +105,9 @@ class AsyncAttentionSession(SessionBase):
         self._busy, start = True, time.perf_counter()
         try:
             if not self._links:
-                self._links = [self._open(part) for part in self.route.start()]
+                self._links = self._opened(self.route.start())
             self._links = [self._revived(link) for link in self._links]
-            found = await asyncio.gather(*(self._answers(link, query) for link in self._links))
+            found = await _all([self._answers(link, query) for link in self._links])
         except BaseException:
             self._drop_links()  # no stale answer may be read by a later query
             raise
@@ -122,9 +132,9 @@ class AsyncAttentionSession(SessionBase):
             self._links.remove(link)
             quiet = cut_while_quiet(link, error)
             parts = [link.part] if quiet else self.route.failed(link.part, error)
-            fresh = [self._open(part) for part in parts]
+            fresh = self._opened(parts)
             self._links.extend(fresh)
-            found = await asyncio.gather(*(self._answers(new, query) for new in fresh))
+            found = await _all([self._answers(new, query) for new in fresh])
             return [answer for some in found for answer in some]
 
     def _revived(self, link: AsyncAttendLink) -> AsyncAttendLink:
@@ -133,6 +143,18 @@ class AsyncAttentionSession(SessionBase):
             return link
         link.close()
         return self._open(link.part)
+
+    def _opened(self, parts: list[AttendPart]) -> list[AsyncAttendLink]:
+        """A link per part, one by one: a failed open leaves none of them open."""
+        links: list[AsyncAttendLink] = []
+        try:
+            for part in parts:
+                links.append(self._open(part))
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+        return links
 
     def _open(self, part: AttendPart) -> AsyncAttendLink:
         header = self.route.header(part)
@@ -154,3 +176,15 @@ class AsyncAttentionSession(SessionBase):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def _all(jobs: list) -> list:
+    """Every job's result; when one raises, the others are cancelled (and awaited) first."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -10,8 +10,9 @@ layer, CRC-32C) and assembled in chunk order. A stream that fails with UNAVAILAB
 DATA_LOSS (corrupt at rest or in transit), NOT_FOUND, a deadline or a cancel is reopened
 on the next live replica of its chunks and the current query is sent again (UNAVAILABLE
 quarantines the shard, as for a fetch). A stream that answered earlier queries and is then
-cancelled was most likely cut by the shard for being quiet (`CallBounds.stream_idle_s`)
-just as the query went out: it is reopened on the same shard once first. With no replica
+cancelled (or, on asyncio, found over by the query's write) was most likely cut by the
+shard for being quiet (`CallBounds.stream_idle_s`) just as the query went out: it is
+reopened on the same shard once first. With no replica
 left the query fails (NotFound when every copy was missing or corrupt, else Unavailable).
 A shard without the caller's kernel (FAILED_PRECONDITION) is `KernelMismatch`; a refusal
 over the shard's limits is `LimitExceeded`; every other status fails at once. A query
@@ -247,11 +248,11 @@ _END = None
 def cut_while_quiet(link, error: BaseException) -> bool:
     """Whether `link` failed the way a stream the shard cut for quietness fails when the
     cut crosses the next query (`AttentionSession._revived` catches the cuts seen before
-    it): cancelled, or found over by the query's write (asyncio), after answering earlier
-    queries."""
+    it), after answering earlier queries: cancelled, or (asyncio) found already over by the
+    query's write (`AsyncAttendLink.cut`)."""
     code = error.code() if isinstance(error, grpc.RpcError) else None
-    broke = getattr(link, "broke", False)
-    return link.answered > 0 and (code == grpc.StatusCode.CANCELLED or broke)
+    cut = getattr(link, "cut", False)
+    return link.answered > 0 and (code == grpc.StatusCode.CANCELLED or cut)
 
 
 class AttendLink:

@@ -102,12 +102,14 @@ def test_loading_a_model_does_not_import_transformers(builtin_model):
 
 
 def edited(builtin_model, tmp_path, **changes):
+    """A copy of the built-in tokenizer files with `changes` to its config (None: removed)."""
     folder = tmp_path / "model"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(builtin_model.path / name, folder / name)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(changes)
+    config = {key: value for key, value in config.items() if value is not None}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -116,16 +118,24 @@ def edited(builtin_model, tmp_path, **changes):
     "changes",
     [
         {"tokenizer_class": "LlamaTokenizer"},
+        {"tokenizer_class": None},  # transformers would pick a class from config.json
         {"add_bos_token": True},
         {"clean_up_tokenization_spaces": True},
+        {"additional_special_tokens": ["<|endoftext|>"]},
+        {"unk_token": "hello"},  # named special, but an ordinary token in tokenizer.json
+        {"special_tokens_map.json": True},
     ],
+    ids=lambda changes: next(iter(changes)),
 )
 def test_a_folder_that_needs_more_than_tokenizer_json_gets_transformers(
     builtin_model, tmp_path, changes
 ):
     from transformers import AutoTokenizer
 
+    older = changes.pop("special_tokens_map.json", False)
     folder = edited(builtin_model, tmp_path, **changes)
+    if older:
+        (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     tokenizer = load_tokenizer(folder)
     assert not isinstance(tokenizer, Tokenizer)
     reference = AutoTokenizer.from_pretrained(str(folder))
