@@ -22,6 +22,7 @@ REPEATED_SEGMENT = 0x0A  # FetchResponse.segments and SegmentBatch.segments (fie
 PUT_HEADER = 0x0A
 PUT_SEGMENTS = 0x12
 PUT_COMMIT = 0x1A
+MAX_FIELD_NUMBER = (1 << 29) - 1
 
 
 def varint(value: int) -> bytes:
@@ -87,6 +88,8 @@ def fields(
         number, kind = tag >> 3, tag & 7
         if number == 0:
             raise InvalidArgument("message: field number 0 (protobuf has none)")
+        if number > MAX_FIELD_NUMBER:  # protobuf's tags are 32 bits: it refuses these too
+            raise InvalidArgument(f"message: field number past protobuf's {MAX_FIELD_NUMBER}")
         if kind == 0:
             value, pos = read_varint(buf, pos)
         elif kind == 2:

@@ -74,6 +74,9 @@ def protobuf(raw: bytes):
 @example(b"\x0a\x02\x00\x01")  # the same inside a segment
 @example(b"\x0a\x05\xff\xff\xff\xff\x0f")  # a length past the end
 @example(b"\x0a\x0a\x08\xff\xff\xff\xff\xff\xff\xff\xff\x7f")  # a varint of 70 bits
+@example(b"\x80" * 8 + b"\x10\x00")  # a tag of 2^60 (unknown field 2^57): was skipped
+@example(b"\x80\x80\x80\x80\x10\x00")  # a tag of 2^32: past protobuf's 32-bit tags
+@example(b"\xf8\xff\xff\xff\x0f\x00")  # field 2^29 - 1, the largest: an unknown field
 def test_fetch_response_mutations(raw):
     ours, theirs = decode_or_refuse(raw), protobuf(raw)
     if ours is None:
