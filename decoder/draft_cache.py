@@ -237,7 +237,7 @@ class DraftStack:
     """
 
     def __init__(self, prefix: DraftPrefix, members: list[int], seqs, spans, scale: float):
-        self.prefix, self.members, self.scale = prefix, members, scale
+        self.prefix, self.scale = prefix, scale
         self.caches: list[DraftCache] = [seqs[i].cache for i in members]
         self.spans = [spans[i] for i in members]
         self.positions = [seqs[i].positions for i in members]
@@ -248,7 +248,7 @@ class DraftStack:
             torch.cat([c.tail_positions(), p])
             for c, p in zip(self.caches, self.positions, strict=True)
         ]
-        self._masks: dict[int, torch.Tensor] = {}
+        self._mask: torch.Tensor | None = None  # built at the first layer, kept for the rest
         self._picks = self._picked()
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -289,24 +289,24 @@ class DraftStack:
             keys[b, :, :length], values[b, :, :length] = own.k[:, :length], own.v[:, :length]
         queries = queries.view(members, most, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         queries = queries.reshape(members, kv_heads, group * most, dim)
-        mask = self._mask(group).to(queries.dtype)
+        mask = self._tail_mask(group).to(queries.dtype)
         out, lse = fast_attention_lse(queries, keys, values, self.scale, mask)
         out = out.view(members, kv_heads, group, most, dim).permute(1, 2, 0, 3, 4)
         lse = lse.view(members, kv_heads, group, most).permute(1, 2, 0, 3)
         out = out.reshape(kv_heads, group, members * most, dim).index_select(2, self._picks)
         return out, lse.reshape(kv_heads, group, members * most).index_select(2, self._picks)
 
-    def _mask(self, group: int) -> torch.Tensor:
+    def _tail_mask(self, group: int) -> torch.Tensor:
         """Additive [members, 1, G * most, longest]: a row sees its own member's tail keys
         at positions up to its own; padding rows and keys see nothing."""
-        if group not in self._masks:
+        if self._mask is None:
             members, longest, most = len(self.caches), max(self.lengths), max(self.new)
             seen = torch.zeros(members, most, longest, dtype=torch.bool)
             for b, (tail, positions) in enumerate(zip(self._tails, self.positions, strict=True)):
                 seen[b, : positions.numel(), : tail.numel()] = tail[None, :] <= positions[:, None]
             mask = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
-            self._masks[group] = mask.repeat(1, group, 1).unsqueeze(1)
-        return self._masks[group]
+            self._mask = mask.repeat(1, group, 1).unsqueeze(1)
+        return self._mask
 
     def _picked(self) -> torch.Tensor:
         """Each real row's index among the padded rows (member b's row i: b * most + i)."""

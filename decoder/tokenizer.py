@@ -38,11 +38,9 @@ class Tokenizer:
     """`tokenizer.json` run by the `tokenizers` library, with the folder's special tokens and
     chat template. The methods used here mirror `transformers`' fast tokenizers."""
 
-    def __init__(self, folder: Path, config: dict[str, Any], backend=None) -> None:
-        self._backend = backend if backend is not None else _backend(folder)
-        self.special_tokens_map = {
-            name: _content(config[name]) for name in SPECIAL_NAMES if config.get(name) is not None
-        }
+    def __init__(self, folder: Path, config: dict[str, Any], backend) -> None:
+        self._backend = backend
+        self.special_tokens_map = _named_specials(config)
         self.chat_template = _chat_template(folder, config)
         eos = self.special_tokens_map.get("eos_token")
         self.eos_token_id = None if eos is None else self._backend.token_to_id(eos)
@@ -110,8 +108,12 @@ def _specials_are_special(backend, config: dict[str, Any]) -> bool:
     """Whether every special token the config names is a special token of the backend
     (`transformers` would otherwise register it as one: skipped in decoding, never split)."""
     special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-    named = [_content(config[name]) for name in SPECIAL_NAMES if config.get(name) is not None]
-    return all(token in special for token in named)
+    return all(token in special for token in _named_specials(config).values())
+
+
+def _named_specials(config: dict[str, Any]) -> dict[str, str]:
+    """The special tokens `tokenizer_config.json` names (`bos_token`: "<s>", ...)."""
+    return {name: _content(config[name]) for name in SPECIAL_NAMES if config.get(name) is not None}
 
 
 def _tokenizer_config(folder: Path) -> dict[str, Any]:

@@ -12,12 +12,11 @@ on the next live replica of its chunks and the current query is sent again (UNAV
 quarantines the shard, as for a fetch). A stream that answered earlier queries and is then
 cancelled (or, on asyncio, found over by the query's write) was most likely cut by the
 shard for being quiet (`CallBounds.stream_idle_s`) just as the query went out: it is
-reopened on the same shard once first. With no replica
-left the query fails (NotFound when every copy was missing or corrupt, else Unavailable).
-A shard without the caller's kernel (FAILED_PRECONDITION) is `KernelMismatch`; a refusal
-over the shard's limits is `LimitExceeded`; every other status fails at once. A query
-either returns partials for every chunk or raises: the caller then pulls the KV
-(`StoreClient.fetch_layers`).
+reopened on the same shard once first. With no replica left the query fails (NotFound
+when every copy was missing or corrupt, else Unavailable). A shard without the caller's
+kernel (FAILED_PRECONDITION) is `KernelMismatch`; a refusal over the shard's limits is
+`LimitExceeded`; every other status fails at once. A query either returns partials for
+every chunk or raises: the caller then pulls the KV (`StoreClient.fetch_layers`).
 """
 
 from __future__ import annotations
