@@ -37,7 +37,11 @@ def summarise(text: str) -> dict[str, float]:
 
 def _add(values: dict, name: str, labels: dict, value: float) -> None:
     component, _, metric = name.removeprefix("vericache_").partition("_")
-    if metric == "requests_total":
+    if component == "http":  # a router's OpenAI-compatible API (its calls counted as gRPC's too)
+        values["http_requests"] += value
+        if not labels.get("status", "200").startswith("2"):
+            values["http_errors"] += value
+    elif metric == "requests_total":
         values["requests"] += value
         if labels.get("code", OK) != OK:
             values["errors"] += value
@@ -83,9 +87,14 @@ def render(figures: dict[str, dict]) -> list[str]:
                 f"connections {f.get('connections', 0):.0f}"
             )
         elif name.startswith("router"):
+            http = (
+                f"  HTTP {f['http_requests']:.0f} requests ({f.get('http_errors', 0):.0f} failed)"
+                if "http_requests" in f
+                else ""
+            )
             lines.append(
                 f"  {name:<10} {f.get('requests', 0):>7.0f} calls ({f.get('errors', 0):.0f} "
-                f"failed)  {f.get('failovers', 0):.0f} moved to another decoder"
+                f"failed)  {f.get('failovers', 0):.0f} moved to another decoder{http}"
             )
         elif name.startswith("decoder"):
             budget = _size(f.get("kv_budget_bytes", 0)) if f.get("kv_budget_bytes") else "unlimited"

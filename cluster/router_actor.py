@@ -21,7 +21,7 @@ class RouterActor:
         os.umask(PRIVATE_UMASK)  # its files (blobs, caches) are the service user's alone
         from decoder.router.server import RouterServer
 
-        if config.host == "0.0.0.0" and config.advertise_host is None:
+        if config.host == "0.0.0.0" and config.advertise_host is None:  # HTTP's too
             config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
         self.server = RouterServer(config)
 
@@ -35,6 +35,10 @@ class RouterActor:
     def decoders(self) -> list[dict]:
         """Each decoder as this router sees it: health, load, requests routed."""
         return self.server.decoders()
+
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL ("" when it serves none)."""
+        return self.server.http_url
 
     def metrics_url(self) -> str:
         return self.server.metrics_url

@@ -48,6 +48,7 @@ from cluster.redis_server import RedisServer, redis_actor_class, write_private
 from cluster.router_actor import router_actor
 from cluster.store_actor import STORAGE_RESOURCE, shard_actor
 from decoder.config import Placement
+from decoder.http.config import HttpConfig
 from decoder.internal import load_or_create_credential
 from decoder.router.config import RouterConfig
 from decoder.service.config import DEFAULT_COMPRESSOR, MAX_NGRAM, DecoderConfig
@@ -99,6 +100,9 @@ class ServeConfig:
     """First router gRPC port (router i on router_port + i); 0 = free ports."""
     router_policy: str = "affinity"
     """How routers choose decoders (`RouterConfig.policy`)."""
+    http_port: int | None = None
+    """Routers also serve the OpenAI-compatible HTTP API (`decoder.http`), router i on
+    http_port + i (0 = free ports); None: gRPC only."""
     kv_budget: int | None = None
     """KV bytes per decoder worker (None = unlimited)."""
     compressor: str = DEFAULT_COMPRESSOR
@@ -155,6 +159,10 @@ class ServeConfig:
             raise ValueError("decoders: must be >= 0")
         if self.routers is not None and not 0 <= self.routers <= 8:
             raise ValueError("routers: must be in [0, 8]")
+        if self.http_port is not None and not 0 <= self.http_port < 65536 - 8:
+            raise ValueError("http_port: must be in [0, 65528)")
+        if self.http_port is not None and not self.router_count:
+            raise ValueError("http_port: the HTTP API is served by routers (--routers >= 1)")
         if self.lmcache_port is not None and not 0 <= self.lmcache_port < 65536:
             raise ValueError("lmcache_port: must be in [0, 65536)")
         if self.routers and not self.decoders:
@@ -242,7 +250,14 @@ class ServeConfig:
             client=ClientConfig(tls=self.store_client_tls()),
             tls=self.tls,
             metrics=self.metrics_config(offset, metrics_token) if metrics_token else None,
+            http=self.http(index),
         )
+
+    def http(self, index: int) -> HttpConfig | None:
+        """Router `index`'s HTTP API (None: none)."""
+        if self.http_port is None:
+            return None
+        return HttpConfig(host=self.host, port=self.http_port + index if self.http_port else 0)
 
     def gateway(self, store_endpoints: list[str], token: str, metrics_token: str = ""):
         """The LMCache gateway's config (its metrics after the routers')."""
@@ -327,6 +342,8 @@ class Deployment:
         """The LMCache gateway's host:port (`remote_url: lm://...`), when one runs."""
         self.router_actors: dict[int, object] = {}
         self.routers: dict[int, str] = {}
+        self.http: dict[int, str] = {}
+        """Router i's OpenAI-compatible API (its base URL), when serving one."""
         """Router endpoints: the front door to the decoders."""
         with private_umask():
             make_private(home())
@@ -435,6 +452,8 @@ class Deployment:
         actor = router_actor(config, pinned(f"router-{index}", here, self.config.detach))
         address = ray.get(actor.start.remote(), timeout=120)
         self.router_actors[index], self.routers[index] = actor, address
+        if config.http is not None:
+            self.http[index] = ray.get(actor.http_url.remote(), timeout=30)
         self._metrics_of(f"router-{index}", actor)
         return address
 
@@ -498,6 +517,7 @@ class Deployment:
             "endpoints": [self.endpoints[i] for i in sorted(self.endpoints)],
             "decoders": [self.decoders[i] for i in sorted(self.decoders)],
             "routers": [self.routers[i] for i in sorted(self.routers)],
+            "http": [self.http[i] for i in sorted(self.http)],
             "lmcache": f"lm://{self.lmcache}" if self.lmcache else "",
             "redis_url": self.redis_url,
             "ray_address": self.config.address or "embedded",
@@ -528,6 +548,7 @@ class Deployment:
             ray.kill(actor)
         self.router_actors.clear()
         self.routers.clear()
+        self.http.clear()
         for index, actor in list(self.decoder_actors.items()):
             try:
                 ray.get(actor.stop.remote(), timeout=60)

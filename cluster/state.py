@@ -28,7 +28,7 @@ def read_state() -> dict:
     return state
 
 
-STATE_TYPES = {"endpoints": list, "decoders": list, "routers": list, "metrics": dict}
+STATE_TYPES = {"endpoints": list, "decoders": list, "routers": list, "http": list, "metrics": dict}
 STATE_TYPES |= {"lmcache": str, "redis_url": str, "tls": str, "metrics_token": str}
 """The state file's fields that commands read, and their types (lists and dicts of str)."""
 

@@ -127,6 +127,12 @@ def add_commands(sub) -> None:
         help="first router port, router i on ROUTER_PORT+i (default: free ports)",
     )
     serve.add_argument(
+        "--http-port",
+        type=int,
+        help="routers also serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...), "
+        "router i on HTTP_PORT+i (0: free ports; default: none)",
+    )
+    serve.add_argument(
         "--router-policy",
         choices=("affinity", "round-robin"),
         default="affinity",
@@ -378,6 +384,7 @@ def serve_config(ns):
             routers=ns.routers,
             router_port=ns.router_port,
             router_policy=ns.router_policy,
+            http_port=ns.http_port,
             kv_budget=ns.kv_budget,
             compressor=_compressor(ns.compressor),
             ngram=ns.ngram,
@@ -427,6 +434,8 @@ def print_endpoints(deployment) -> None:
         print(f"  decoder  {endpoint}")
     for endpoint in deployment.routers.values():
         print(f"  router   {endpoint}   (vericache generate --endpoint {endpoint} ...)")
+    for url in deployment.http.values():
+        print(f"  http     {url}/v1   (OpenAI-compatible: base_url; the tenant token as API key)")
     if deployment.lmcache:
         print(f"  lmcache  lm://{deployment.lmcache}   (LMCache remote_url; remote_serde: naive)")
     for name, url in sorted(deployment.metrics.items()):
@@ -505,10 +514,12 @@ def run_status(ns) -> int:
 
 def _print_status(ns) -> None:
     status = _status(metadata(ns))
-    status["live"] = _live(ns)
+    status["live"], status["http"] = _live(ns)
     if ns.json:
         print(json.dumps(status, indent=2))
         return
+    for url in status["http"]:
+        print(f"OpenAI-compatible API: {url}/v1")
     print(f"shards: {len(status['shards'])} live, replication {status['replication']}")
     print(
         f"  {'shard':<10} {'address':<22} {'memory':>21} {'disk':>21} {'chunks':>7} "
@@ -535,19 +546,20 @@ def _print_status(ns) -> None:
         print("\n".join(render(status["live"])), flush=True)
 
 
-def _live(ns) -> dict | None:
-    """Live figures from the metrics endpoints of the service this machine runs (None
-    when the status is of another deployment, by --redis-url)."""
+def _live(ns) -> tuple[dict | None, list[str]]:
+    """Live figures from the metrics endpoints of the service this machine runs, and its
+    routers' HTTP API URLs (None and none when the status is of another deployment, by
+    --redis-url)."""
     from cluster.live import live_figures
     from cluster.state import read_state
 
     try:
         state = read_state()
     except FileNotFoundError:
-        return None
+        return None, []
     if ns.redis_url and ns.redis_url != state.get("redis_url"):
-        return None
-    return live_figures(state, tls_cli.client_tls(ns))
+        return None, []
+    return live_figures(state, tls_cli.client_tls(ns)), list(state.get("http", []))
 
 
 def run_tenant_add(ns) -> int:

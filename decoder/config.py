@@ -114,14 +114,14 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             rope=_rope_from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=_context_limit(hf),
+            max_position_embeddings=context_limit(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always have biases
         )
 
 
-def _context_limit(hf: dict[str, Any]) -> int:
+def context_limit(hf: dict[str, Any]) -> int:
     """The model's context limit, capped at its sliding attention window (Mistral's
     `sliding_window`; Qwen2's when `use_sliding_window`): the runner attends every key, which
     equals sliding-window attention only while the context fits in the window."""

@@ -54,6 +54,13 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
 
+    def special_token_texts(self) -> list[str]:
+        """The texts of the special (control) tokens, as `transformers`' `all_special_tokens`
+        plus every added token marked special."""
+        added = self._backend.get_added_tokens_decoder().values()
+        named = set(self.special_tokens_map.values())
+        return sorted({t.content for t in added if t.special} | named)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, **_: Any
     ) -> list[int]:

@@ -213,14 +213,14 @@ class Admission:
         return admitted
 
     def _drop_cancelled(self) -> None:
+        """Cancelled requests leave (failed); stopped ones end (`Ticket.stop`)."""
         with self._lock:
             cancelled = self._queue.remove_if(lambda t: t.cancelled)
         for ticket in cancelled:
             self._refund(ticket)
             ticket.finish(None, Cancelled("the request was cancelled"))
         for r in self.flight.running:
-            if r.ticket.cancelled:
-                r.fail(Cancelled("the request was cancelled"))
+            r.heed_ticket()
 
     # -- admission ----------------------------------------------------------------------------
 

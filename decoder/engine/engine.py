@@ -312,7 +312,8 @@ def _first_token(r: Running, logits: torch.Tensor, prefill_s: float) -> None:
 
 def _drafting(r: Running, eos: frozenset[int]) -> bool:
     """Whether the request's round still drafts (not at its horizon, no end token drafted)."""
-    return len(r.drafts) < r.horizon and not (r.drafts and r.drafts[-1] in eos)
+    last = r.drafts[-1] if r.drafts else None
+    return len(r.drafts) < r.horizon and not (last in eos or last in r.req.stop_ids)
 
 
 __all__ = ["Cancelled", "Engine"]

@@ -58,6 +58,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     horizon: int | None = None
     """Drafted tokens per verification for this request; None follows the engine's config."""
+    stop_ids: frozenset[int] = frozenset()
+    """Token ids that end the request as an end-of-sequence token does (it is the last
+    token), with stop reason "stop"."""
     prepaid: int = 0
     """Budget bytes the caller already reserved for this request's prefix KV, held in
     local memory (a prompt prefilled on the decoder before it was queued). Admission takes
@@ -97,6 +100,7 @@ class Ticket:
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+        self.stopping = False
         self._done = threading.Event()
 
     @property
@@ -114,6 +118,11 @@ class Ticket:
     def cancel(self) -> None:
         """Ask the engine to drop the request (the caller went away); thread-safe."""
         self.cancelled = True
+
+    def stop(self) -> None:
+        """Ask the engine to end the request with the tokens it has (a stop string in its
+        text): it finishes with stop reason "stop" at its next step; thread-safe."""
+        self.stopping = True
 
     def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
         """End the ticket once (later calls are ignored) and call `on_done`."""

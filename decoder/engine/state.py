@@ -12,6 +12,7 @@ from decoder.draft_cache import DraftCache, DraftPrefix
 from decoder.engine.ngram import NgramProposer
 from decoder.engine.request import Prefix, Request, Ticket
 from decoder.engine.stats import EngineStats, RequestStats
+from decoder.errors import Cancelled
 from decoder.horizon import Acceptance, DraftYield
 from decoder.kv_cache import KVCache
 from decoder.kv_source import FullKVSource
@@ -113,6 +114,8 @@ class Running:
             taken += 1
             if token in self.eos:
                 self.stop_reason = "eos"
+            elif token in self.req.stop_ids:
+                self.stop_reason = "stop"
             elif self.remaining <= 0:
                 self.stop_reason = "length"
         if taken and self.proposer is not None:
@@ -130,6 +133,14 @@ class Running:
     def start(self, prefill_s: float) -> None:
         self.stats.prefill_s = prefill_s
         self.decode_start = time.perf_counter()
+
+    def heed_ticket(self) -> None:
+        """End the request as its caller asked: failed when cancelled (`Ticket.cancel`), or
+        with its tokens so far when stopped (`Ticket.stop`: stop reason "stop")."""
+        if self.ticket.cancelled:
+            self.fail(Cancelled("the request was cancelled"))
+        elif self.ticket.stopping and not self.done:
+            self.stop_reason = "stop"
 
     def fail(self, error: BaseException) -> None:
         """End the request with `error` (its budget is released when it retires)."""

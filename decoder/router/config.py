@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decoder.http.config import HttpConfig
 from decoder.router.policies import POLICIES
 from prefix_store.config import ClientConfig
 from prefix_store.limits import CallBounds
@@ -61,6 +62,8 @@ class RouterConfig:
     tls: TLSConfig | None = None
     """Serve gRPC over TLS (mTLS when it has a client CA); None: in the clear."""
     metrics: MetricsConfig | None = None
+    http: HttpConfig | None = None
+    """Serve the OpenAI-compatible HTTP API (`decoder.http`) too; None: gRPC only."""
     max_workers: int = 64
     calls: CallBounds = field(default_factory=lambda: CallBounds(per_tenant=16, total=48))
     store_clients: int = 64

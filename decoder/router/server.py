@@ -15,14 +15,22 @@ so decoders see, authorize and account for the caller exactly as if it had calle
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 from vericache.v1 import decoder_pb2 as dpb
 
+from decoder.http.app import Upstream
+from decoder.http.config import HttpConfig
+from decoder.http.openai import Model, control_tokens
+from decoder.http.server import HttpServer
 from decoder.router.config import RouterConfig
 from decoder.router.identity import request_identity
 from decoder.router.members import Members
@@ -175,7 +183,8 @@ def _forwarded(context) -> tuple:
 
 
 class RouterServer:
-    """A router serving gRPC (and its metrics, when configured)."""
+    """A router serving gRPC (and its metrics, and the OpenAI-compatible HTTP API, when
+    configured)."""
 
     def __init__(self, config: RouterConfig, tokenizer=None) -> None:
         self.config = config
@@ -184,15 +193,39 @@ class RouterServer:
             self.servicer, config.max_workers, config.host, config.port, config.tls, "route"
         )
         self.address = f"{config.advertise_host or config.host}:{self.port}"
+        self.http = None if config.http is None else self._http(config.http)
+        self.http_url = "" if self.http is None else (
+            f"{self.http.scheme}://{config.advertise_host or config.http.host}:{self.http.port}"
+        )  # fmt: skip
         self.metrics, self.metrics_url = metrics_endpoint(
             self.servicer.registry, config.metrics, config.host, config.advertise_host,
             config.tls,
         )  # fmt: skip
 
+    def _http(self, config: HttpConfig) -> HttpServer:
+        """The HTTP API, forwarding to this router's own Decoder service over a Unix socket
+        in a directory only this process's user may enter (TLS is for the network)."""
+        self._socket_dir = tempfile.mkdtemp(prefix="vericache-router-")
+        target = f"unix:{self._socket_dir}/grpc.sock"
+        if not self.server.add_insecure_port(target):
+            raise OSError(f"cannot bind {target}")
+        clients = self.servicer.clients
+
+        def authenticate(token: str, peer: str) -> None:
+            with clients.held(token, peer):
+                pass
+
+        model = served_model(self.config.model, self.servicer.tokenizer, config.model_name)
+        registry = self.servicer.registry
+        return HttpServer(config, model, Upstream(target, authenticate), registry, self.config.tls)
+
     def start(self) -> str:
         if self.metrics is not None:
             self.metrics.start()
         self.server.start()
+        if self.http is not None:
+            self.http.start()
+            log.info("router %s serving HTTP on %s", self.config.router_id, self.http_url)
         log.info("router %s serving on %s", self.config.router_id, self.address)
         return self.address
 
@@ -204,6 +237,9 @@ class RouterServer:
         return self.servicer.members.snapshot()
 
     def stop(self, grace_s: float = 5.0) -> None:
+        if self.http is not None:
+            self.http.stop()
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.server.stop(grace_s).wait()
         if self.metrics is not None:
             self.metrics.stop()
@@ -212,10 +248,25 @@ class RouterServer:
 
 def load_tokenizer(model: str | None):
     """The decoders' tokenizer alone (no weights): routing text prompts needs only it."""
-    from pathlib import Path
-
-    from decoder.loader import builtin_model_dir, default_cache_dir
     from decoder.tokenizer import load_tokenizer
 
-    folder = builtin_model_dir(default_cache_dir()) if model is None else Path(model)
-    return load_tokenizer(folder)
+    return load_tokenizer(model_folder(model))
+
+
+def model_folder(model: str | None) -> Path:
+    """The decoders' model folder (None: the built-in model's)."""
+    from decoder.loader import builtin_model_dir, default_cache_dir
+
+    return builtin_model_dir(default_cache_dir()) if model is None else Path(model)
+
+
+def served_model(model: str | None, tokenizer, name: str | None = None) -> Model:
+    """What the HTTP API tells and checks of the decoders' model: its id (`name`, else the
+    built-in model's name or the folder's), context and tokenizer."""
+    from decoder.config import context_limit
+    from decoder.loader import BUILTIN_MODEL
+
+    folder = model_folder(model)
+    hf = json.loads((folder / "config.json").read_text())
+    name = name or (BUILTIN_MODEL if model is None else folder.name)
+    return Model(name, context_limit(hf), tokenizer, control_tokens(tokenizer))

@@ -166,7 +166,10 @@ def generate_request(
     seed: int | None = None,
     namespace: str = "",
     use_unsigned_prefix: bool = False,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
 ) -> dpb.GenerateRequest:
+    """stop, stop_token_ids: end the request there (`GenerateRequest.stop`)."""
     request = dpb.GenerateRequest(
         chat=chat,
         max_new_tokens=max_new_tokens,
@@ -175,6 +178,8 @@ def generate_request(
         namespace=namespace,
         use_unsigned_prefix=use_unsigned_prefix,
         sampling=dpb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
+        stop=stop,
+        stop_token_ids=stop_token_ids,
     )
     if seed is not None:
         request.sampling.seed = seed

@@ -16,6 +16,10 @@ MAX_NGRAM = 32
 """Most prompt-lookup guesses per forward a request may ask for (the engines' max horizon)."""
 
 
+MAX_NEW_TOKENS = 4096
+"""A decoder's default bound on one request's new tokens."""
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """One decoder worker: where the store is, what it may hold, how it listens."""
@@ -53,7 +57,7 @@ class DecoderConfig:
     the shards run this worker's kernel (`auto`; see `EngineConfig.placement`)."""
     threads: int | None = None
     """torch CPU threads (None: torch's choice)."""
-    max_new_tokens: int = 4096
+    max_new_tokens: int = MAX_NEW_TOKENS
     """Upper bound a request may ask for."""
     max_workers: int = 32
     """Concurrent RPCs served."""

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
 REQUESTS = {"Generate": dpb.GenerateRequest, "Publish": dpb.PublishRequest, "Info": dpb.InfoRequest}
 """The request message of each method."""
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
+"""Bounds of a Generate request's stop strings and stop token ids."""
 
 
 def event_message(event: tuple) -> dpb.GenerateEvent:
@@ -108,7 +110,27 @@ def generate_spec(request: dpb.GenerateRequest, worker: DecoderWorker) -> Genera
         horizon,
         request.use_unsigned_prefix,
         ngram,
+        stop_strings(request),
+        stop_ids(request, worker.model.config.vocab_size),
     )
+
+
+def stop_strings(request: dpb.GenerateRequest) -> tuple[str, ...]:
+    if len(request.stop) > MAX_STOPS:
+        raise BadRequest(f"stop: at most {MAX_STOPS} strings, got {len(request.stop)}")
+    if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in request.stop):
+        raise BadRequest(f"stop: each string must be 1-{MAX_STOP_CHARS} characters")
+    return tuple(request.stop)
+
+
+def stop_ids(request: dpb.GenerateRequest, vocab: int) -> frozenset[int]:
+    count = len(request.stop_token_ids)
+    if count > MAX_STOP_IDS:
+        raise BadRequest(f"stop_token_ids: at most {MAX_STOP_IDS}, got {count}")
+    bad = next((t for t in request.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise BadRequest(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+    return frozenset(request.stop_token_ids)
 
 
 def sampling_params(s: dpb.Sampling) -> SamplingParams:

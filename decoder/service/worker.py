@@ -75,6 +75,10 @@ class GenerateSpec:
     """Verify against the caller's own unsigned KV too (its private namespace only)."""
     ngram: int = 0
     """Prompt-lookup guesses per forward (0: off)."""
+    stops: tuple[str, ...] = ()
+    """Stop strings: the request ends once its output's text contains one."""
+    stop_ids: frozenset[int] = frozenset()
+    """Stop token ids: the request ends with the first one generated."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,7 @@ class DecoderWorker:
                     spec.max_new_tokens,
                     spec.sampling,
                     spec.horizon,
+                    stop_ids=spec.stop_ids,
                     prepaid=entry.prepaid,
                 )
                 tenant = client.topology.tenant  # admission is fair between tenants
@@ -233,7 +238,7 @@ class DecoderWorker:
                 cached = entry.cached.tokens if entry.cached is not None else 0
                 extra = {"cached_tokens": cached, "request_id": request_id}
                 done = (lambda *a: self._finished(token, tenant, spec, *a)) if observed else None
-                yield from self._stream(ticket, events, cancelled, extra, done)
+                yield from self._stream(ticket, events, cancelled, extra, done, spec.stops)
 
     def _finished(self, token: str, tenant: str, spec: GenerateSpec, result, stats: dict) -> None:
         """A request's last token is out: count it, and audit it when sampled (modes that
@@ -246,6 +251,8 @@ class DecoderWorker:
         if "seed" in stats:  # the seed an unseeded sampling request was given
             sampling = dataclasses.replace(sampling, seed=stats["seed"])
         spec = dataclasses.replace(spec, sampling=sampling)
+        if result.stop_reason == "stop":  # where a stop string ended it depends on timing:
+            spec = dataclasses.replace(spec, stops=(), max_new_tokens=len(result.tokens))
         self.auditor.offer(Sample(stats["request_id"], token, spec, tuple(result.tokens)))
 
     def _replay(self, sample: Sample) -> list[int]:
@@ -257,9 +264,11 @@ class DecoderWorker:
                 tokens.extend(event[1])
         return tokens
 
-    def _stream(self, ticket, events: queue.Queue, cancelled, extra: dict, done=None) -> Iterator:
+    def _stream(
+        self, ticket, events: queue.Queue, cancelled, extra: dict, done=None, stops=()
+    ) -> Iterator:
         try:
-            yield from self._events(ticket, events, cancelled)
+            yield from self._events(ticket, events, cancelled, stops)
         finally:
             if not ticket.done:  # the caller went away: stop decoding for it
                 ticket.cancel()
@@ -278,9 +287,12 @@ class DecoderWorker:
             done(result, stats)
         yield ("done", result.stop_reason, json.dumps(stats))
 
-    def _events(self, ticket, events: queue.Queue, cancelled) -> Iterator:
+    def _events(self, ticket, events: queue.Queue, cancelled, stops=()) -> Iterator:
+        """The request's token events, until it ends; once its text contains one of `stops`,
+        the engine is asked to end it, and tokens after that one are not sent."""
         out: list[int] = []
         sent = ""
+        stopped = False
         while True:
             try:
                 item = events.get(timeout=0.25)
@@ -290,12 +302,18 @@ class DecoderWorker:
                 continue
             if item is _DONE:
                 return
+            if stopped:
+                continue
             out.extend(item)
             text = self.model.decode(out)
             if text.endswith("\ufffd"):  # an incomplete character: wait for the rest
                 piece = ""
             else:
                 piece, sent = text[len(sent) :], text
+            if stops and _has_stop(text, len(text) - len(piece), stops):
+                stopped = True
+                ticket.stop()
+                self.model_thread.notify()
             yield ("tokens", item, piece)
 
     # -- Publish ----------------------------------------------------------------------------
@@ -345,3 +363,10 @@ class DecoderWorker:
     def cached_clients(self) -> int:
         """Store clients kept for later calls (at most `config.store_clients` when idle)."""
         return len(self._clients)
+
+
+def _has_stop(text: str, start: int, stops: tuple[str, ...]) -> bool:
+    """Whether a stop string ends in `text` at or after `start` (the new piece)."""
+    longest = max(len(s) for s in stops)
+    tail = text[max(0, start - longest + 1) :]
+    return any(s in tail for s in stops)

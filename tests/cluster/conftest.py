@@ -66,9 +66,9 @@ def service(tmp_path_factory):
     pass or fail, and is marked `kills_parts` to run after the others. These tests run last
     in the package (`pytest_collection_modifyitems`). It runs its own Redis
     (`redis_url=None`), which the session's `metadata` fixture, emptied for each test, never
-    touches. Deployments of another shape stay in their modules: test_serve (a disk tier, no
-    decoder), test_router (two decoders, one killed), test_lmcache_serve (a gateway), and
-    tests/bench (their own shapes)."""
+    touches. Its router serves the OpenAI-compatible API too. Deployments of another shape
+    stay in their modules: test_serve (a disk tier, no decoder), test_router (two decoders,
+    one killed), test_lmcache_serve (a gateway), and tests/bench (their own shapes)."""
     home = tmp_path_factory.mktemp("vericache-home")
     with deployed(
         None,
@@ -78,6 +78,7 @@ def service(tmp_path_factory):
         disk_bytes=0,
         decoders=1,
         resident_prefixes=False,
+        http_port=0,
     ) as deployment:
         yield deployment
 

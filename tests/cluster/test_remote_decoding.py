@@ -325,3 +325,24 @@ def _Reply():
     from decoder.service.client import GenerateReply
 
     return GenerateReply()
+
+
+def test_the_routers_openai_api_serves_full_kv_outputs(
+    service, tenants, builtin_model, builtin_runner
+):
+    import openai
+
+    from cluster.state import read_state
+
+    url = service.http[0]
+    assert read_state()["http"] == [url]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=tenants["c"], max_retries=0)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = builtin_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, max_tokens=NEW, temperature=0
+    )
+    assert reply.choices[0].message.content == builtin_model.decode(
+        reference(builtin_runner, builtin_model, ids)
+    )
+    assert reply.model_extra["vericache"]["failovers"] == 0

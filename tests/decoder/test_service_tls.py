@@ -101,3 +101,40 @@ def test_publish_reaches_an_mtls_decoder_with_tls_flags_or_variables(
     err = capsys.readouterr().err
     assert err.startswith("vericache: error: ") and err.count("\n") == 1
     assert main([*base, "--tls-ca", str(certs / "missing.pem")]) == 2
+
+
+def test_a_routers_http_api_serves_the_deployments_tls_to_certified_clients_only(
+    decoder, serve_config, metadata, certs
+):
+    import dataclasses
+    import ssl
+
+    import httpx
+
+    from decoder.http.config import HttpConfig
+    from decoder.router import RouterServer
+
+    stores = [decoder.config.store_endpoints[0]]
+    config = serve_config.router(0, stores, [decoder.address])
+    router = RouterServer(dataclasses.replace(config, http=HttpConfig()))
+    router.start()
+    try:
+        assert router.http_url.startswith("https://")
+        token = metadata.add_tenant("tls-http")
+        auth = {"authorization": f"Bearer {token}"}
+        context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        context.load_cert_chain(certs / "client.pem", certs / "client-key.pem")
+        with httpx.Client(verify=context, timeout=30) as client:
+            models = client.get(f"{router.http_url}/v1/models", headers=auth)
+            assert models.json()["data"][0]["id"] == "smollm2-135m-instruct"
+            body = {"model": "smollm2-135m-instruct", "prompt": "Hello there", "max_tokens": 3,
+                    "temperature": 0}  # fmt: skip
+            reply = client.post(f"{router.http_url}/v1/completions", json=body, headers=auth)
+            assert reply.json()["usage"]["completion_tokens"] == 3
+        anonymous = ssl.create_default_context(cafile=str(certs / "ca.pem"))  # no client cert
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{router.http_url}/health", verify=anonymous, timeout=10).raise_for_status()
+        with pytest.raises(httpx.HTTPError):  # in the clear: no answer
+            httpx.get(router.http_url.replace("https", "http") + "/health", timeout=10)
+    finally:
+        router.stop(0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avericache/v1/decoder.proto\x12\x0cvericache.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xba\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.vericache.v1.Sampling\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x12\n\ncompressor\x18\x07 \x01(\t\x12\x14\n\x07horizon\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tnamespace\x18\t \x01(\t\x12\x1b\n\x13use_unsigned_prefix\x18\n \x01(\x08\x12\x12\n\x05ngram\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\n\n\x08_horizonB\x08\n\x06_ngram\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"d\n\rGenerateEvent\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.vericache.v1.TokensH\x00\x12\"\n\x04\x64one\x18\x02 \x01(\x0b\x32\x12.vericache.v1.DoneH\x00\x42\x07\n\x05\x65vent\"#\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"/\n\x04\x44one\x12\x13\n\x0bstop_reason\x18\x01 \x01(\t\x12\x12\n\nstats_json\x18\x02 \x01(\t\"\x8d\x01\n\x0ePublishRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x13\n\x0b\x63ompressors\x18\x05 \x03(\tB\x08\n\x06prompt\"]\n\x0fPublishResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x11\n\tartifacts\x18\x03 \x03(\t\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\"\r\n\x0bInfoRequest\"\x81\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tkv_budget\x18\x03 \x01(\x04\x12\x0f\n\x07kv_used\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_compressor\x18\x07 \x01(\t\x12\x11\n\tkv_cached\x18\x08 \x01(\x04\x12\x17\n\x0f\x63\x61\x63hed_prefixes\x18\t \x01(\r\x12\x0f\n\x07\x65ngines\x18\n \x01(\r\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x16\n\x0epeak_rss_bytes\x18\x0c \x01(\x04\x32\xda\x01\n\x07\x44\x65\x63oder\x12H\n\x08Generate\x12\x1d.vericache.v1.GenerateRequest\x1a\x1b.vericache.v1.GenerateEvent0\x01\x12\x46\n\x07Publish\x12\x1c.vericache.v1.PublishRequest\x1a\x1d.vericache.v1.PublishResponse\x12=\n\x04Info\x12\x19.vericache.v1.InfoRequest\x1a\x1a.vericache.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1avericache/v1/decoder.proto\x12\x0cvericache.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xe0\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.vericache.v1.Sampling\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x12\n\ncompressor\x18\x07 \x01(\t\x12\x14\n\x07horizon\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x11\n\tnamespace\x18\t \x01(\t\x12\x1b\n\x13use_unsigned_prefix\x18\n \x01(\x08\x12\x12\n\x05ngram\x18\x0b \x01(\rH\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\rB\x08\n\x06promptB\n\n\x08_horizonB\x08\n\x06_ngram\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"d\n\rGenerateEvent\x12&\n\x06tokens\x18\x01 \x01(\x0b\x32\x14.vericache.v1.TokensH\x00\x12\"\n\x04\x64one\x18\x02 \x01(\x0b\x32\x12.vericache.v1.DoneH\x00\x42\x07\n\x05\x65vent\"#\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"/\n\x04\x44one\x12\x13\n\x0bstop_reason\x18\x01 \x01(\t\x12\x12\n\nstats_json\x18\x02 \x01(\t\"\x8d\x01\n\x0ePublishRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12\x13\n\x0b\x63ompressors\x18\x05 \x03(\tB\x08\n\x06prompt\"]\n\x0fPublishResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x11\n\tartifacts\x18\x03 \x03(\t\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\"\r\n\x0bInfoRequest\"\x81\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tkv_budget\x18\x03 \x01(\x04\x12\x0f\n\x07kv_used\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_compressor\x18\x07 \x01(\t\x12\x11\n\tkv_cached\x18\x08 \x01(\x04\x12\x17\n\x0f\x63\x61\x63hed_prefixes\x18\t \x01(\r\x12\x0f\n\x07\x65ngines\x18\n \x01(\r\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\x12\x16\n\x0epeak_rss_bytes\x18\x0c \x01(\x04\x32\xda\x01\n\x07\x44\x65\x63oder\x12H\n\x08Generate\x12\x1d.vericache.v1.GenerateRequest\x1a\x1b.vericache.v1.GenerateEvent0\x01\x12\x46\n\x07Publish\x12\x1c.vericache.v1.PublishRequest\x1a\x1d.vericache.v1.PublishResponse\x12=\n\x04Info\x12\x19.vericache.v1.InfoRequest\x1a\x1a.vericache.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=44
   _globals['_SAMPLING']._serialized_end=133
   _globals['_GENERATEREQUEST']._serialized_start=136
-  _globals['_GENERATEREQUEST']._serialized_end=450
-  _globals['_TOKENIDS']._serialized_start=452
-  _globals['_TOKENIDS']._serialized_end=475
-  _globals['_GENERATEEVENT']._serialized_start=477
-  _globals['_GENERATEEVENT']._serialized_end=577
-  _globals['_TOKENS']._serialized_start=579
-  _globals['_TOKENS']._serialized_end=614
-  _globals['_DONE']._serialized_start=616
-  _globals['_DONE']._serialized_end=663
-  _globals['_PUBLISHREQUEST']._serialized_start=666
-  _globals['_PUBLISHREQUEST']._serialized_end=807
-  _globals['_PUBLISHRESPONSE']._serialized_start=809
-  _globals['_PUBLISHRESPONSE']._serialized_end=902
-  _globals['_INFOREQUEST']._serialized_start=904
-  _globals['_INFOREQUEST']._serialized_end=917
-  _globals['_INFORESPONSE']._serialized_start=920
-  _globals['_INFORESPONSE']._serialized_end=1177
-  _globals['_DECODER']._serialized_start=1180
-  _globals['_DECODER']._serialized_end=1398
+  _globals['_GENERATEREQUEST']._serialized_end=488
+  _globals['_TOKENIDS']._serialized_start=490
+  _globals['_TOKENIDS']._serialized_end=513
+  _globals['_GENERATEEVENT']._serialized_start=515
+  _globals['_GENERATEEVENT']._serialized_end=615
+  _globals['_TOKENS']._serialized_start=617
+  _globals['_TOKENS']._serialized_end=652
+  _globals['_DONE']._serialized_start=654
+  _globals['_DONE']._serialized_end=701
+  _globals['_PUBLISHREQUEST']._serialized_start=704
+  _globals['_PUBLISHREQUEST']._serialized_end=845
+  _globals['_PUBLISHRESPONSE']._serialized_start=847
+  _globals['_PUBLISHRESPONSE']._serialized_end=940
+  _globals['_INFOREQUEST']._serialized_start=942
+  _globals['_INFOREQUEST']._serialized_end=955
+  _globals['_INFORESPONSE']._serialized_start=958
+  _globals['_INFORESPONSE']._serialized_end=1215
+  _globals['_DECODER']._serialized_start=1218
+  _globals['_DECODER']._serialized_end=1436
 # @@protoc_insertion_point(module_scope)

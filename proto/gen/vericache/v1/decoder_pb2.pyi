@@ -19,7 +19,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "mode", "compressor", "horizon", "namespace", "use_unsigned_prefix", "ngram")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "mode", "compressor", "horizon", "namespace", "use_unsigned_prefix", "ngram", "stop", "stop_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class GenerateRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     USE_UNSIGNED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     NGRAM_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: bool
@@ -42,7 +44,9 @@ class GenerateRequest(_message.Message):
     namespace: str
     use_unsigned_prefix: bool
     ngram: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: bool = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[str] = ..., compressor: _Optional[str] = ..., horizon: _Optional[int] = ..., namespace: _Optional[str] = ..., use_unsigned_prefix: bool = ..., ngram: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: bool = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[str] = ..., compressor: _Optional[str] = ..., horizon: _Optional[int] = ..., namespace: _Optional[str] = ..., use_unsigned_prefix: bool = ..., ngram: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

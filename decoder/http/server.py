@@ -1,0 +1,130 @@
+"""The HTTP front door's server: the application (`app.api`) under uvicorn (h11), on its
+own event loop thread, over a socket bound at construction (so its port is known and a
+port in use fails there, as OSError).
+
+Bounds beyond uvicorn's own (`max_connections`, keep-alive, request head size): a
+connection must send a whole request head within `header_timeout_s` of opening or of its
+previous response, else it is closed (`HeadTimeoutProtocol`), so that slow clients cannot
+hold connections open; the application bounds the body (`app`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from decoder.http.app import Upstream, api
+from decoder.http.config import HttpConfig
+from decoder.http.openai import Model
+from prefix_store.tls import TLSConfig, server_context
+
+log = logging.getLogger(__name__)
+
+
+class HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
+    within `head_timeout_s` of opening or of its last response."""
+
+    head_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        waiting_for = self.cycle  # a new request head replaces it
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._late, waiting_for)
+
+    def _disarm(self) -> None:
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._head_timer = None
+
+    def _late(self, waiting_for) -> None:
+        self._head_timer = None
+        if self.cycle is waiting_for and not self.transport.is_closing():
+            self.transport.close()
+
+
+class HttpServer:
+    """The OpenAI-compatible API of one Decoder service."""
+
+    def __init__(
+        self,
+        config: HttpConfig,
+        model: Model,
+        upstream: Upstream,
+        registry: CollectorRegistry,
+        tls: TLSConfig | None = None,
+    ) -> None:
+        self.config = config
+        self.sock = _bound(config.host, config.port)
+        self.port = self.sock.getsockname()[1]
+        self.scheme = "https" if tls is not None else "http"
+        head = {"head_timeout_s": config.header_timeout_s}
+        protocol = type("Protocol", (HeadTimeoutProtocol,), head)
+        self._uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                api(config, model, upstream, registry),
+                http=protocol,
+                lifespan="on",
+                log_level="warning",
+                access_log=False,
+                server_header=False,
+                limit_concurrency=config.max_connections,
+                timeout_keep_alive=config.keep_alive_s,
+                h11_max_incomplete_event_size=config.max_header_bytes,
+                ssl_context_factory=None if tls is None else (lambda c, d: server_context(tls)),
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Serve (on a thread of its own); the port, once it accepts connections."""
+        self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+        self._thread.start()
+        while not self._uvicorn.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the HTTP server failed to start (see the log)")
+            self._thread.join(0.02)
+        return self.port
+
+    def _run(self) -> None:
+        asyncio.run(self._uvicorn.serve(sockets=[self.sock]))
+
+    def stop(self) -> None:
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.sock.close()
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
