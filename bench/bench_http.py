@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API against gRPC, under the same load, through the same router.
 
-Everything real, on this machine: a Redis, one store shard, one decoder serving the
-built-in model, and a router serving both the `Decoder` gRPC service and the HTTP API
-(`decoder.http`). Each run sends `--streams` (4) concurrent streaming requests, greedy,
+Everything real, on this machine, as `vericache serve --http-port` deploys it: Ray actors
+for one store shard, one decoder serving the built-in model and a router serving both the
+`Decoder` gRPC service and the HTTP API (`decoder.http`), and a Redis; the load comes from
+this process. Each run sends `--streams` (4) concurrent streaming requests, greedy,
 `--max-new-tokens` (64) each, over distinct prompts: once through the official `openai`
-client (asyncio, streaming chat completions) and once through gRPC (grpc.aio, the router's
-Generate), in alternating order from run to run. The outputs of the two must be identical.
+client (asyncio, streaming chat completions) and once through gRPC (grpc.aio, the
+router's Generate), both with every stream started at once, in alternating order from run
+to run. The outputs of the two must be identical (else the bench exits 1).
 
 Columns: aggregate tokens/s (all generated tokens over the load's wall time) and its ratio
 to gRPC's; time to first token p50; inter-event latency p50/p99 (the time between two
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -47,39 +50,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Service:
-    """Redis, a shard, a decoder and a router with its HTTP API, in this process."""
+    """A deployment on this machine (Ray actors: a shard, a decoder, a router serving HTTP
+    too, each in its own process, as `vericache serve --http-port` runs them)."""
 
-    def __init__(self, tmp: Path) -> None:
-        from cluster.redis_server import RedisServer
-        from decoder.http.config import HttpConfig
+    def __init__(self, home: Path) -> None:
+        from cluster.serve import Deployment, ServeConfig
         from decoder.loader import load_model
-        from decoder.router import RouterConfig, RouterServer
-        from decoder.service.config import DecoderConfig
-        from decoder.service.server import DecoderServer
-        from decoder.service.worker import DecoderWorker
-        from prefix_store.config import ShardConfig
+        from prefix_store.config import GiB
         from prefix_store.metadata import Metadata
-        from prefix_store.server import ShardServer
 
-        self.redis = RedisServer(tmp / "redis").start()
-        self.shard = ShardServer(ShardConfig(disk_dir=tmp / "shard"), self.redis.url)
-        self.shard.start()
-        stores = (self.shard.address,)
-        self.model = load_model()
-        config = DecoderConfig(stores)
-        self.decoder = DecoderServer(config, DecoderWorker(config, model=self.model))
-        self.decoder.start()
-        self.router = RouterServer(
-            RouterConfig(stores, decoders=(self.decoder.address,), http=HttpConfig())
-        )
-        self.router.start()
-        self.token = Metadata(self.redis.url).add_tenant("bench")
+        os.environ["VERICACHE_HOME"] = str(home)
+        config = ServeConfig(
+            shards=1, memory_bytes=1 * GiB, disk_bytes=0, state_dir=home / "state",
+            decoders=1, http_port=0, metrics=False,
+        )  # fmt: skip
+        self.deployment = Deployment(config).start()
+        self.address, self.http_url = self.deployment.routers[0], self.deployment.http[0]
+        self.token = Metadata(self.deployment.redis_url).add_tenant("bench")
+        self.tokenizer = load_model().tokenizer
 
     def close(self) -> None:
-        self.router.stop(0)
-        self.decoder.stop(0)
-        self.shard.stop(0)
-        self.redis.stop()
+        self.deployment.stop()
 
 
 def messages(i: int) -> list[dict[str, str]]:
@@ -126,17 +117,17 @@ async def load(service: Service, way: str, streams: int, new: int) -> dict:
 
     started = time.perf_counter()
     if way == "http":
-        client = openai.AsyncOpenAI(base_url=f"{service.router.http_url}/v1",
+        client = openai.AsyncOpenAI(base_url=f"{service.http_url}/v1",
                                     api_key=service.token, max_retries=0)  # fmt: skip
         async with client:
             results = await asyncio.gather(*(one_http(client, i, new) for i in range(streams)))
     else:
-        tokenizer = service.model.tokenizer
+        tokenizer = service.tokenizer
         prompts = [tokenizer.apply_chat_template(messages(i), add_generation_prompt=True)
                    for i in range(streams)]  # fmt: skip
-        async with grpc.aio.insecure_channel(service.router.address) as channel:
+        async with grpc.aio.insecure_channel(service.address) as channel:
             stub = dpb_generate(channel)
-            jobs = (one_grpc(stub, service.token, prompts[i], new) for i in range(streams))
+            jobs = (one_grpc(stub, service.token, p, new) for p in prompts)
             results = await asyncio.gather(*jobs)
     wall = time.perf_counter() - started
     gaps = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
