@@ -346,3 +346,41 @@ def test_the_routers_openai_api_serves_full_kv_outputs(
         reference(builtin_runner, builtin_model, ids)
     )
     assert reply.model_extra["vericache"]["failovers"] == 0
+
+
+def test_every_dashboard_panel_queries_metrics_the_live_deployment_exports(service):
+    """docs/grafana/vericache.json against a scrape of every metrics endpoint the state
+    file lists: each metric a query names is exported, each label it groups or selects by
+    is one of that metric's (run after the tests above, so that labelled series exist)."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.state import read_state
+    from prefix_store.metrics import scrape
+
+    state = read_state()
+    assert {"shard-0", "decoder-0", "router-0"} <= set(state["metrics"])
+    labels: dict[str, set[str]] = {}
+    for url in state["metrics"].values():
+        for family in text_string_to_metric_families(scrape(url, state["metrics_token"])):
+            suffixes = {"counter": ("_total", "_created"), "histogram": HISTOGRAM}
+            for name in (family.name, *(family.name + s for s in suffixes.get(family.type, ()))):
+                labels.setdefault(name, set())
+            for sample in family.samples:
+                labels.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads((Path(__file__).parents[2] / "docs/grafana/vericache.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 15
+    for expr in exprs:
+        names = set(re.findall(r"\bvericache_[a-z_]+", expr))
+        assert names and names <= set(labels), (expr, names - set(labels))
+        used = set(re.findall(r"by \(([^)]*)\)", expr)) | set(re.findall(r"(\w+)=\"", expr))
+        used = {label.strip() for group in used for label in group.split(",")} - {"le"}
+        sampled = [n for n in names if labels[n]]  # no samples yet: its labels are unknown
+        known = set().union(*(labels[n] for n in sampled))
+        assert not sampled or used <= known, (expr, used - known)
+
+
+HISTOGRAM = ("_bucket", "_sum", "_count", "_created")
