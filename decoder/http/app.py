@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import anyio
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from vericache.v1 import decoder_pb2 as dpb
@@ -50,6 +51,13 @@ from prefix_store.errors import LimitExceeded, StoreError, Unauthenticated, Unav
 from prefix_store.status import busy_retry_s
 
 log = logging.getLogger(__name__)
+TOKEN = re.compile(r"[\x21-\x7e]+")
+"""What a bearer key can be: visible ASCII."""
+TRANSLATORS = 4
+UNAVAILABLE = {
+    503: "no decoder can serve the request now; try again later",
+    504: "the request did not finish within its deadline",
+}
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,9 @@ class FrontDoor:
     def __init__(self, config: HttpConfig, model: Model, upstream: Upstream) -> None:
         self.config, self.model, self.upstream = config, model, upstream
         self.channel: grpc.aio.Channel | None = None
+        self.translating = anyio.CapacityLimiter(TRANSLATORS)
+        """Threads that parse bodies and render prompts (bounded sizes, ~0.2 s at most
+        each): apart from the key checks' threads, so that no body delays a login."""
 
     @asynccontextmanager
     async def lifespan(self, app) -> AsyncIterator[None]:
@@ -134,8 +145,13 @@ class FrontDoor:
 
     async def _generate(self, request: Request, translate) -> Response:
         token = await self._caller(request)
-        body = parse_json(await self._body(request))
-        plan: Plan = await anyio.to_thread.run_sync(translate, body, self.model)
+        try:
+            raw = await self._body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        plan: Plan = await anyio.to_thread.run_sync(
+            _translated, translate, raw, self.model, limiter=self.translating
+        )
         output = Output(plan, self.model.name, self._decode)
         events = self._events(plan, token)
         try:
@@ -159,7 +175,7 @@ class FrontDoor:
         """The caller's token, once the store knows it (nothing of the body read yet)."""
         header = request.headers.get("authorization", "")
         token = header[len(BEARER) :].strip() if header.lower().startswith(BEARER) else ""
-        if not token:
+        if not TOKEN.fullmatch(token):  # no key, or bytes no key has (gRPC metadata refuses them)
             raise ApiError(401, "Authorization: expected 'Bearer <token>'", code="invalid_api_key")
         peer = request.client.host if request.client else ""
         try:
@@ -255,17 +271,24 @@ def dpb_generate(channel: grpc.aio.Channel):
 
 
 def _api_error(error: grpc.aio.AioRpcError) -> ApiError:
+    """The service's failure as the client sees it: its message for a request's own failure
+    (4xx: it names the field or limit), a generic one for the service's (5xx: a decoder's
+    address or a socket path is nobody's business), the request id of an internal error."""
     code = error.code()
     status = http_status(code)
     message = error.details() or code.name
     if status == 500:
-        message = f"internal error ({message})"
+        message = f"internal error ({message})"  # only a request id (rpc.status)
+    elif status >= 500:
+        message = UNAVAILABLE.get(status, "the service cannot serve the request now")
+        log.warning("http: a request failed %s: %s", code.name, error.details())
     retry = busy_retry_s(error)
     return ApiError(status, message, code=code.name.lower(), retry_after_s=retry)
 
 
 async def _until_gone(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result; ClientGone (the work cancelled) if the client leaves first."""
+    """`work`'s result; ClientGone (the work cancelled, and ended) if the client leaves
+    first."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -275,7 +298,12 @@ async def _until_gone(request: Request, work: Awaitable[Any]) -> Any:
     if task in done:
         return task.result()
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # so that its generator is free
     raise ClientGone
+
+
+def _translated(translate, raw: bytes, model: Model) -> Plan:
+    return translate(parse_json(raw), model)
 
 
 async def _disconnected(request: Request) -> None:

@@ -47,6 +47,8 @@ MAX_STOP_TOKENS = 64
 MAX_HORIZON = 64
 MAX_NGRAM = 32
 ROLES = ("system", "user", "assistant", "developer")
+CHARS_PER_TOKEN = 32
+"""Text longer than the context times this cannot fit it (refused before tokenizing)."""
 
 COMMON = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
@@ -68,7 +70,7 @@ HTTP_STATUS = {
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.ABORTED: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.CANCELLED: 503,  # the service cut it (shutting down): try again
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
@@ -157,6 +159,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as error:
         raise bad(f"the body is not valid JSON ({error})") from None
+    except RecursionError:
+        raise bad("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
@@ -192,7 +196,7 @@ def chat_request(body: Mapping[str, Any], model: Model) -> Plan:
         raise bad("response_format: only {'type': 'text'} is supported", "response_format")
     messages = _messages(body.get("messages"), model)
     try:
-        ids = list(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ids = chat_ids(model.tokenizer, messages)
     except Exception as error:  # noqa: BLE001 - the template refused these messages
         why = f"messages: the model's chat template refused them ({error})"
         raise bad(why, "messages") from None
@@ -261,7 +265,7 @@ def _prompt(prompt: Any, model: Model) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt: empty", "prompt")
-        if len(prompt) > model.context * 32:
+        if len(prompt) > model.context * CHARS_PER_TOKEN:
             raise bad(f"prompt: {len(prompt)} characters cannot fit the context", "prompt")
         return list(model.tokenizer.encode(prompt, add_special_tokens=True))
     if isinstance(prompt, list) and prompt and all(_token(t) for t in prompt):
@@ -275,9 +279,23 @@ def _token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` through the chat template, the assistant's turn opened (a
+    `transformers` tokenizer may answer with a BatchEncoding)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 def _messages(messages: Any, model: Model) -> list[dict[str, str]]:
+    """The messages as the chat template takes them, bounded before it runs: at most
+    `context` / 2 messages and `context` * CHARS_PER_TOKEN characters of content in all."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages: a non-empty list", "messages")
+    if len(messages) > model.context // 2:
+        raise bad(f"messages: at most {model.context // 2} can fit the context", "messages")
+    chars = 0
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -287,6 +305,9 @@ def _messages(messages: Any, model: Model) -> list[dict[str, str]]:
         if role not in ROLES:
             raise bad(f"{where}.role: one of {', '.join(ROLES)}", f"{where}.role")
         content = _content(message.get("content"), where)
+        chars += len(content)
+        if chars > model.context * CHARS_PER_TOKEN:
+            raise bad(f"messages: {chars}+ characters cannot fit the context", "messages")
         for token in model.control_tokens:
             if token in content:
                 raise bad(f"{where}.content: contains the control token {token!r}", where)
@@ -350,6 +371,7 @@ def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
         not isinstance(stops, list)
         or len(stops) > MAX_STOPS
         or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+        or any("\ufffd" in s for s in stops)
     ):
         raise bad(f"stop: a string or up to {MAX_STOPS} non-empty strings of at most "
                   f"{MAX_STOP_CHARS} characters", "stop")  # fmt: skip
@@ -410,6 +432,8 @@ class Output:
         """The text of `_ids`, as the events gave it."""
         self._pending = ""
         """Text received but held back: it may be the start of a stop string."""
+        self._stop_end: int | None = None
+        """Where in the output's text the stop string that ended it ends."""
 
     @property
     def stopped(self) -> bool:
@@ -428,15 +452,22 @@ class Output:
             whole = self.decode(self._ids)  # the text up to the stop token, not past it
             fresh = whole[len(self._received) :] if whole.startswith(self._received) else ""
             return self._send(self._pending + fresh, final=True)
+        before = len(self._ids)
         self._ids.extend(ids)
         self._received += text
         self.tokens += len(ids)
-        return self._send(self._pending + text, final=False)
+        ready = self._send(self._pending + text, final=False)
+        if self._stop_end is not None:  # count the tokens up to the one completing the stop
+            needed = (k for k in range(1, len(ids)) if len(self.decode(self._ids[: before + k]))
+                      >= self._stop_end)  # fmt: skip
+            self.tokens = before + next(needed, len(ids))
+        return ready
 
     def _send(self, text: str, final: bool) -> str:
         hit = min(((text.find(s), s) for s in self.plan.stops if s in text), default=None)
         if hit is not None:
             self.finish_reason = "stop"
+            self._stop_end = len(self.text) + hit[0] + len(hit[1])
             text, final = text[: hit[0]], True
         held = 0 if final else _held_back(text, self.plan.stops)
         ready, self._pending = text[: len(text) - held], text[len(text) - held :]

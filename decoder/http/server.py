@@ -35,19 +35,21 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._arm()
+        self._arm(None)
 
     def on_response_complete(self) -> None:
+        finished = self.cycle  # (a pipelined request's cycle may start inside super())
         super().on_response_complete()
-        self._arm()
+        self._arm(finished)
 
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
+    def _arm(self, waiting_for) -> None:
+        """Close the connection unless a request head after `waiting_for` (the cycle that
+        just ended; None: none yet) arrives in time."""
         self._disarm()
-        waiting_for = self.cycle  # a new request head replaces it
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._late, waiting_for)
 
     def _disarm(self) -> None:

@@ -109,6 +109,7 @@ class RouterServicer:
             _forwarded(call),
             self.config.max_attempts,
             self.failovers.inc,
+            stop_strings=bool(request.stop),
         )
         yield from relay.events()
 

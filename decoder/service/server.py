@@ -120,6 +120,8 @@ def stop_strings(request: dpb.GenerateRequest) -> tuple[str, ...]:
         raise BadRequest(f"stop: at most {MAX_STOPS} strings, got {len(request.stop)}")
     if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in request.stop):
         raise BadRequest(f"stop: each string must be 1-{MAX_STOP_CHARS} characters")
+    if any("\ufffd" in s for s in request.stop):  # the text's mark of an unfinished character
+        raise BadRequest("stop: U+FFFD cannot be matched")
     return tuple(request.stop)
 
 

@@ -310,7 +310,7 @@ class DecoderWorker:
                 piece = ""
             else:
                 piece, sent = text[len(sent) :], text
-            if stops and _has_stop(text, len(text) - len(piece), stops):
+            if stops and piece and _has_stop(text, len(text) - len(piece), stops):
                 stopped = True
                 ticket.stop()
                 self.model_thread.notify()

@@ -210,7 +210,9 @@ def test_keys_are_checked_before_anything_else(api):
     with pytest.raises(openai.AuthenticationError, match="not known"):
         api.client("vc_not-a-token").models.list()
     huge = b"x" * (1 << 20)  # an unknown key is refused whatever it sends
-    for headers in ({}, {"authorization": "Basic abc"}, {"authorization": f"Bearer {token}x"}):
+    odd = [{"authorization": b"Bearer \xc3\xa9"}, {"authorization": "Bearer a\tb"}]
+    for headers in ({}, {"authorization": "Basic abc"}, {"authorization": f"Bearer {token}x"},
+                    *odd):  # fmt: skip
         reply = raw_post(
             api, "/v1/completions", huge, {"content-type": "application/json", **headers}
         )
@@ -226,6 +228,7 @@ def test_a_hostile_sweep_gets_precise_errors_and_service_goes_on(api, builtin_mo
     cases = [
         ("/v1/completions", b"{not json", json_type, 400),
         ("/v1/completions", b"[1, 2]", json_type, 400),
+        ("/v1/completions", b"[" * 60_000, json_type, 400),
         (
             "/v1/completions",
             b'{"model": "smollm2-135m-instruct", "prompt": "x"}',

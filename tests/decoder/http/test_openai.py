@@ -229,3 +229,34 @@ def test_the_response_objects_are_openais(model):
     whole = out.response()
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+
+
+def test_usage_counts_the_tokens_up_to_the_one_completing_a_stop(model):
+    ids = model.tokenizer.encode(" Hello world, friend of mine", add_special_tokens=False)
+    text = model.tokenizer.decode
+    out = Output(plan_with(model, stop=["world"]), NAME, text)
+    assert out.feed(ids, text(ids)) == " Hello "
+    upto = next(k for k in range(1, len(ids) + 1) if "world" in text(ids[:k]))
+    assert out.tokens == upto < len(ids)
+
+
+def test_prompts_are_bounded_before_the_chat_template_runs(model):
+    chat = {"model": NAME}
+    huge = [{"role": "user", "content": "x" * (8192 * 32 + 1)}]
+    assert refused(chat_request, {**chat, "messages": huge}, model).param == "messages"
+    many = [{"role": "user", "content": "x"}] * 4097
+    assert refused(chat_request, {**chat, "messages": many}, model).param == "messages"
+    stop = {"model": NAME, "prompt": "hello there", "stop": "a\ufffd"}
+    assert refused(completion_request, stop, model).param == "stop"
+
+
+def test_chat_ids_take_a_transformers_tokenizers_batch_encoding(model):
+    from transformers import AutoTokenizer
+
+    from decoder.http.openai import chat_ids
+    from decoder.router.server import model_folder
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    auto = AutoTokenizer.from_pretrained(str(model_folder(None)))
+    assert chat_ids(auto, messages) == chat_ids(model.tokenizer, messages)
+    assert control_tokens_of(auto) == model.control_tokens
