@@ -127,9 +127,11 @@ class FaultRun:
 
 
 def free_ports(count: int) -> int:
-    """A base port with `count` consecutive free ports (so restarts keep their address)."""
+    """A base port with `count` consecutive free ports (so restarts keep their address),
+    below the kernel's ephemeral range: a port found free there can be taken by any
+    outgoing connection before the deployment binds it (a chaos run once failed so)."""
     for _ in range(200):
-        base = random.randint(20_000, 60_000)
+        base = random.randint(10_000, _ephemeral_start() - count - 1)
         try:
             with contextlib.ExitStack() as stack:
                 for port in range(base, base + count):
@@ -139,6 +141,13 @@ def free_ports(count: int) -> int:
         except OSError:
             continue
     raise RuntimeError("no run of free ports found")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 DISK_TIER = 512 * MiB
