@@ -38,6 +38,8 @@ def summarise(text: str) -> dict[str, float]:
 def _add(values: dict, name: str, labels: dict, value: float) -> None:
     component, _, metric = name.removeprefix("vericache_").partition("_")
     if component == "http":  # a router's OpenAI-compatible API (its calls counted as gRPC's too)
+        if metric != "requests_total":
+            return
         values["http_requests"] += value
         if not labels.get("status", "200").startswith("2"):
             values["http_errors"] += value
