@@ -94,10 +94,9 @@ async def one_http(client, i: int, new: int) -> dict:
 
 
 async def one_grpc(stub, token: str, ids: list[int], new: int) -> dict:
-    from vericache.v1 import decoder_pb2 as dpb
+    from decoder.service.client import generate_request
 
-    request = dpb.GenerateRequest(token_ids=dpb.TokenIds(ids=ids), max_new_tokens=new)
-    request.sampling.temperature = 0
+    request = generate_request(token_ids=ids, max_new_tokens=new).SerializeToString()
     start = time.perf_counter()
     arrivals, text, tokens = [], "", 0
     async for event in stub(request, metadata=(("authorization", f"Bearer {token}"),)):
@@ -113,7 +112,7 @@ async def load(service: Service, way: str, streams: int, new: int) -> dict:
     import grpc
     import openai
 
-    from decoder.http.app import dpb_generate
+    from decoder.service.client import generate_stub
 
     started = time.perf_counter()
     if way == "http":
@@ -126,7 +125,7 @@ async def load(service: Service, way: str, streams: int, new: int) -> dict:
         prompts = [tokenizer.apply_chat_template(messages(i), add_generation_prompt=True)
                    for i in range(streams)]  # fmt: skip
         async with grpc.aio.insecure_channel(service.address) as channel:
-            stub = dpb_generate(channel)
+            stub = generate_stub(channel)
             jobs = (one_grpc(stub, service.token, p, new) for p in prompts)
             results = await asyncio.gather(*jobs)
     wall = time.perf_counter() - started

@@ -342,9 +342,9 @@ class Deployment:
         """The LMCache gateway's host:port (`remote_url: lm://...`), when one runs."""
         self.router_actors: dict[int, object] = {}
         self.routers: dict[int, str] = {}
+        """Router endpoints: the front door to the decoders."""
         self.http: dict[int, str] = {}
         """Router i's OpenAI-compatible API (its base URL), when serving one."""
-        """Router endpoints: the front door to the decoders."""
         with private_umask():
             make_private(home())
             make_private(Path(config.state_dir))

@@ -46,6 +46,7 @@ from decoder.http.openai import (
     http_status,
     parse_json,
 )
+from decoder.service.client import generate_stub
 from prefix_store.auth import BEARER
 from prefix_store.errors import LimitExceeded, StoreError, Unauthenticated, Unavailable
 from prefix_store.status import busy_retry_s
@@ -214,8 +215,8 @@ class FrontDoor:
 
     async def _events(self, plan: Plan, token: str) -> AsyncIterator[dpb.GenerateEvent]:
         """The fronted service's events for `plan`; its failure as an ApiError."""
-        call = dpb_generate(self.channel)(
-            plan.request,
+        call = generate_stub(self.channel)(
+            plan.request.SerializeToString(),
             metadata=(("authorization", f"Bearer {token}"),),
             timeout=self.config.request_timeout_s,
         )
@@ -260,14 +261,6 @@ class FrontDoor:
             yield _data(error.body())
         finally:
             await events.aclose()
-
-
-def dpb_generate(channel: grpc.aio.Channel):
-    return channel.unary_stream(
-        "/vericache.v1.Decoder/Generate",
-        request_serializer=dpb.GenerateRequest.SerializeToString,
-        response_deserializer=dpb.GenerateEvent.FromString,
-    )
 
 
 def _api_error(error: grpc.aio.AioRpcError) -> ApiError:

@@ -33,19 +33,18 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
-from decoder.service.config import MAX_NEW_TOKENS
+from decoder.service.config import MAX_NEW_TOKENS, MAX_NGRAM, MAX_STOP_CHARS, MAX_STOP_IDS
 
 MODES = ("vericache", "full", "lossy")
 MAX_STOPS = 4
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKENS = 64
+"""OpenAI's bound (the decoder takes more)."""
 MAX_HORIZON = 64
-MAX_NGRAM = 32
 ROLES = ("system", "user", "assistant", "developer")
 CHARS_PER_TOKEN = 32
 """Text longer than the context times this cannot fit it (refused before tokenizing)."""
@@ -148,10 +147,16 @@ class Plan:
     prompt_tokens: int
     stream: bool = False
     include_usage: bool = False
-    stops: tuple[str, ...] = ()
-    stop_ids: frozenset[int] = frozenset()
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.request.stop)
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.request.stop_token_ids)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -217,16 +222,15 @@ def _plan(kind: str, body: Mapping[str, Any], ids: list[int], max_tokens: int) -
     _get(body, "user", str, None)
     request = dpb.GenerateRequest(token_ids=dpb.TokenIds(ids=ids), max_new_tokens=max_tokens)
     request.sampling.CopyFrom(_sampling(body))
-    stops, stop_ids = _stops(body), _stop_ids(body)
-    request.stop.extend(stops)  # the decoder ends the request there (its text is cut here)
-    request.stop_token_ids.extend(sorted(stop_ids))
+    request.stop.extend(_stops(body))  # the decoder ends the request there (its text is cut here)
+    request.stop_token_ids.extend(sorted(_stop_ids(body)))
     _vericache(body.get("vericache"), request)
     stream = _get(body, "stream", bool, False)
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad("stream_options: an object, with stream true", "stream_options")
     include_usage = bool(options and _get(options, "include_usage", bool, False))
-    return Plan(kind, request, len(ids), stream, include_usage, stops, stop_ids)
+    return Plan(kind, request, len(ids), stream, include_usage)
 
 
 def _known(body: Mapping[str, Any], fields: frozenset[str]) -> None:
@@ -382,8 +386,8 @@ def _stop_ids(body: Mapping[str, Any]) -> frozenset[int]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return frozenset()
-    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKENS or not all(map(_token, ids)):
-        raise bad(f"stop_token_ids: up to {MAX_STOP_TOKENS} token ids", "stop_token_ids")
+    if not isinstance(ids, list) or len(ids) > MAX_STOP_IDS or not all(map(_token, ids)):
+        raise bad(f"stop_token_ids: up to {MAX_STOP_IDS} token ids", "stop_token_ids")
     return frozenset(ids)
 
 
@@ -518,9 +522,8 @@ class Output:
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False):
         """A stream chunk carrying `text` (and the finish reason on the last one)."""
         if self.plan.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-            if text and not first:
-                delta["content"] = text
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = delta if first or text else {}
             choice = {"index": 0, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}  # fmt: skip
         else:

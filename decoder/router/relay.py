@@ -32,6 +32,7 @@ import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.router.members import Members
+from decoder.service.client import generate_stub
 from rpc.status import Relayed
 
 log = logging.getLogger(__name__)
@@ -194,12 +195,3 @@ class Relay:
         return dpb.GenerateEvent(
             done=dpb.Done(stop_reason=event.done.stop_reason, stats_json=json.dumps(stats))
         )
-
-
-def generate_stub(channel: grpc.Channel):
-    """Decoder.Generate with the request as bytes (already serialised) and parsed events."""
-    return channel.unary_stream(
-        "/vericache.v1.Decoder/Generate",
-        request_serializer=lambda raw: raw,
-        response_deserializer=dpb.GenerateEvent.FromString,
-    )

@@ -191,6 +191,16 @@ def generate_request(
     return request
 
 
+def generate_stub(channel):
+    """Decoder.Generate on `channel` (grpc's or grpc.aio's) with the request as bytes
+    (already serialised) and parsed events."""
+    return channel.unary_stream(
+        "/vericache.v1.Decoder/Generate",
+        request_serializer=lambda raw: raw,
+        response_deserializer=dpb.GenerateEvent.FromString,
+    )
+
+
 def _set_prompt(request, text, token_ids) -> None:
     if (text is None) == (token_ids is None):
         raise ValueError("give exactly one of text or token_ids")

@@ -18,6 +18,8 @@ MAX_NGRAM = 32
 
 MAX_NEW_TOKENS = 4096
 """A decoder's default bound on one request's new tokens."""
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
+"""Bounds of a Generate request's stop strings and stop token ids."""
 
 
 @dataclass(frozen=True)

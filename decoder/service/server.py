@@ -34,7 +34,13 @@ from decoder.internal import (
     read_credential,
 )
 from decoder.sampling import SamplingParams
-from decoder.service.config import MAX_NGRAM, DecoderConfig
+from decoder.service.config import (
+    MAX_NGRAM,
+    MAX_STOP_CHARS,
+    MAX_STOP_IDS,
+    MAX_STOPS,
+    DecoderConfig,
+)
 from decoder.service.status import STATUS, BadRequest
 from decoder.service.worker import (
     DecoderWorker,
@@ -53,8 +59,6 @@ log = logging.getLogger(__name__)
 SERVICE = "vericache.v1.Decoder"
 REQUESTS = {"Generate": dpb.GenerateRequest, "Publish": dpb.PublishRequest, "Info": dpb.InfoRequest}
 """The request message of each method."""
-MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 64
-"""Bounds of a Generate request's stop strings and stop token ids."""
 
 
 def event_message(event: tuple) -> dpb.GenerateEvent:
