@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import crc32c as _crc32c
@@ -71,3 +72,32 @@ def combined_crc(segments) -> int:
     for segment in segments:
         crc = crc32c(segment, crc)
     return crc
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32C of A then B from each one's CRC-32C and B's length, without B's bytes.
+
+    CRC-32C continued over B from a start value c is linear in c: crc32c(B, c) =
+    crc32c(B, 0) ^ L(c), where L advances the register over `len_b` zero bytes and depends
+    on the length alone. L is tabulated once per length (`_advance`), a byte at a time."""
+    t0, t1, t2, t3 = _advance(len_b)
+    return (
+        t0[crc_a & 0xFF] ^ t1[(crc_a >> 8) & 0xFF] ^ t2[(crc_a >> 16) & 0xFF] ^ t3[crc_a >> 24]
+    ) ^ crc_b
+
+
+@functools.lru_cache(maxsize=64)
+def _advance(length: int) -> tuple[tuple[int, ...], ...]:
+    """L for `length` zero bytes as four 256-entry tables (one per byte of the start value),
+    from L's image of each of the 32 bits: L(c) = crc32c(zeros, c) ^ crc32c(zeros, 0)."""
+    zeros = bytes(length)
+    base = crc32c(zeros)
+    bits = [crc32c(zeros, 1 << i) ^ base for i in range(32)]
+    tables = []
+    for byte in range(4):
+        table = [0] * 256
+        for value in range(1, 256):
+            low = value & -value  # the lowest set bit: table[value] = table[rest] ^ L(bit)
+            table[value] = table[value ^ low] ^ bits[8 * byte + low.bit_length() - 1]
+        tables.append(tuple(table))
+    return tuple(tables)

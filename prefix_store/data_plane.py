@@ -90,14 +90,21 @@ def send_frames(sock: socket.socket, frames: Iterator[tuple[int, list, list]]) -
 def head_major(segments: list, tokens: list[int], kv_heads: int, row_bytes: int) -> list:
     """One layer's stored segments (per chunk: K heads then V heads) as views in wire order
     (K then V, per head, per chunk)."""
+    return [view for _, view in head_major_pieces(segments, tokens, kv_heads, row_bytes)]
+
+
+def head_major_pieces(
+    segments: list, tokens: list[int], kv_heads: int, row_bytes: int
+) -> list[tuple[int, memoryview]]:
+    """As `head_major`, each view with the index of the segment it is in."""
     views = [memoryview(s).cast("B") for s in segments]
     out = []
     for half in range(2):
         for head in range(kv_heads):
-            for view, n in zip(views, tokens, strict=True):
+            for index, (view, n) in enumerate(zip(views, tokens, strict=True)):
                 block = n * row_bytes
                 start = (half * kv_heads + head) * block
-                out.append(view[start : start + block])
+                out.append((index, view[start : start + block]))
     return out
 
 

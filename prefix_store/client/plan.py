@@ -30,6 +30,7 @@ from prefix_store.provenance import (
     artifact_statement,
     chunk_statement,
     content_digest,
+    content_hasher,
     token_digests,
 )
 
@@ -233,8 +234,8 @@ def put_header(
 
 
 def chunk_digests(layers, chunks: Sequence[ChunkPlan]) -> list[bytes]:
-    """Each chunk's SHA-256 over its layer-major segments (what the shard computes)."""
-    hashes = [hashlib.sha256() for _ in chunks]
+    """Each chunk's content digest over its layer-major segments (what the shard computes)."""
+    hashes = [content_hasher() for _ in chunks]
     for k, v in layers:
         for h, chunk in zip(hashes, chunks, strict=True):
             for view in segment_views(k, v, chunk):
@@ -254,9 +255,10 @@ def signed_chunks(
     ]
 
 
-def chunk_crcs(layers, chunks: Sequence[ChunkPlan]) -> list[int]:
-    """Each chunk's CRC-32C over its layer-major segments (what PutCommit carries)."""
-    crcs = [0] * len(chunks)
+def chunk_crcs(layers, chunks: Sequence[ChunkPlan], crcs: Sequence[int] = ()) -> list[int]:
+    """Each chunk's CRC-32C over its layer-major segments (what PutCommit carries), going on
+    from `crcs` (each chunk's CRC-32C of the layers before these) when given."""
+    crcs = list(crcs) or [0] * len(chunks)
     for k, v in layers:
         for j, chunk in enumerate(chunks):
             for view in segment_views(k, v, chunk):
@@ -404,28 +406,36 @@ class Assembly:
             self.v_out[row, :, chunk.start : end].copy_(both[1])
             self._mark(row, chunk.index, len(data))
 
-    def layer_views(self, chunks: Sequence[ChunkPlan], layer: int) -> list[memoryview]:
-        """Writable views of where one data-plane layer frame goes: K then V, per head, per
-        run of consecutive chunks one contiguous region. Needs contiguous outputs."""
+    def layer_regions(
+        self, chunks: Sequence[ChunkPlan], layer: int
+    ) -> list[tuple[memoryview, list[tuple[int, memoryview]]]]:
+        """Where one data-plane layer frame goes, in wire order (K then V, per head, per run
+        of consecutive chunks one contiguous writable region), each region with its pieces:
+        (position in `chunks`, view) per chunk. A chunk's pieces come in its stored order (K
+        heads, then V heads). Needs contiguous outputs."""
         row = layer - self.layer_start
-        return [
-            memoryview(t[row, h, start:end].view(torch.uint8).numpy()).cast("B")
-            for t in (self.k_out, self.v_out)
-            for h in range(t.shape[1])
-            for start, end in runs(chunks)
-        ]
+        regions = []
+        for t in (self.k_out, self.v_out):
+            for h in range(t.shape[1]):
+                position = 0
+                for start, end in runs(chunks):
+                    view = memoryview(t[row, h, start:end].view(torch.uint8).numpy()).cast("B")
+                    row_bytes, offset, pieces = view.nbytes // (end - start), 0, []
+                    while offset < view.nbytes:
+                        size = chunks[position].tokens * row_bytes
+                        pieces.append((position, view[offset : offset + size]))
+                        offset, position = offset + size, position + 1
+                    regions.append((view, pieces))
+        return regions
 
-    def check_layer(self, chunks: Sequence[ChunkPlan], layer: int, crcs: Sequence[int]) -> None:
-        """Check one received layer of `chunks` against each chunk's stored CRC-32C, over
-        its bytes in stored order (K heads, then V heads); DataLoss if any differs (the
-        layer is then not marked, and a replica's copy overwrites it)."""
-        row = layer - self.layer_start
-        for chunk, expected in zip(chunks, crcs, strict=True):
-            crc = 0
-            for t in (self.k_out, self.v_out):
-                for h in range(t.shape[1]):
-                    rows = t[row, h, chunk.start : chunk.start + chunk.tokens]
-                    crc = crc32c(memoryview(rows.view(torch.uint8).numpy()).cast("B"), crc)
+    @staticmethod
+    def check_layer(
+        chunks: Sequence[ChunkPlan], layer: int, got: Sequence[int], crcs: Sequence[int]
+    ) -> None:
+        """DataLoss unless each chunk's CRC-32C of one received layer (`got`, over its bytes
+        in stored order) is its stored one (the layer is then not marked, and a replica's
+        copy overwrites it)."""
+        for chunk, crc, expected in zip(chunks, got, crcs, strict=True):
             if crc != expected:
                 raise corrupt_in_transit(chunk, layer)
 

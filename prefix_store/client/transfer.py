@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from vericache.v1 import prefix_store_pb2 as pb
 
+from prefix_store.blob import crc32c
 from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
 from prefix_store.errors import LimitExceeded, StoreError, Unavailable
 from prefix_store.layout import KVLayout
@@ -136,9 +137,12 @@ def receive(
                     )
                 crcs = bytearray(4 * count)
                 recv_exact(sock, memoryview(crcs))
-                for view in assembly.layer_views(chunks, layer):
-                    recv_exact(sock, view)
-                assembly.check_layer(chunks, layer, struct.unpack(f"<{count}I", crcs))
+                got = [0] * count
+                for region, pieces in assembly.layer_regions(chunks, layer):
+                    recv_exact(sock, region)
+                    for position, piece in pieces:  # while the region is hot
+                        got[position] = crc32c(piece, got[position])
+                assembly.check_layer(chunks, layer, got, struct.unpack(f"<{count}I", crcs))
                 assembly.mark_layer(chunks, layer, size)
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error
@@ -156,12 +160,13 @@ def send_put(
     """Redeem an OpenPut ticket: every layer of `chunks` from the tensors (no copies without
     TLS), the commit with each chunk's CRC-32C, then the shard's PutResponse or its typed
     error. `tls`: see `connect`."""
-    crcs = chunk_crcs(layers, chunks)
+    crcs = [0] * len(chunks)
     layer_bytes = sum(layout.segment_bytes(c.tokens) for c in chunks)
     try:
         with connect(address, timeout_s, tls) as sock:
             sock.sendall(ticket)
             for layer, (k, v) in enumerate(layers):
+                crcs = chunk_crcs([(k, v)], chunks, crcs)  # the layer is then hot to send
                 sock.sendall(HEADER.pack(OK, layer, len(chunks), layer_bytes))
                 send_buffers(sock, wire_views(k, v, chunks))
             commit = struct.pack(f"<{len(crcs)}I", *crcs)

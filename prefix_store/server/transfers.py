@@ -52,8 +52,9 @@ def receive_put(conn, session, bounds: PutBounds) -> None:
                 f"frame: expected layer {layer} of {len(session.indices)} chunks "
                 f"({session.layer_bytes} bytes), got {(magic, got, chunks, size)}"
             )
-        for view in session.layer_views(layer):
+        for chunk, view in session.layer_pieces(layer):
             recv_paced(conn, view, pace, idle)
+            session.arrived(chunk, layer, view)
     magic, _, chunks, size = read_frame_header(conn)
     if magic != COMMIT or chunks != len(session.indices) or size != 4 * chunks:
         raise InvalidArgument("frame: expected the commit frame with one CRC-32C per chunk")

@@ -8,7 +8,13 @@ from prefix_store.blob import Blob, crc32c
 from prefix_store.errors import InvalidArgument, NotFound, StoreFull
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
-from prefix_store.provenance import Proof, Verifier, artifact_statement, content_digest
+from prefix_store.provenance import (
+    PROOF_FORMAT,
+    Proof,
+    Verifier,
+    artifact_statement,
+    content_digest,
+)
 from prefix_store.shard.blobs import artifact_id, is_signed, proof_of
 from prefix_store.shard.holdings import Holdings
 from prefix_store.shard.puts import check_signature
@@ -47,7 +53,12 @@ class Artifacts:
             segment_bytes=len(data),
             crcs=(crc32c(data),),
             data=(data,),
-            meta={"digest": digest.hex(), "signature": signature.hex(), "signed": signed},
+            meta={
+                "digest": digest.hex(),
+                "signature": signature.hex(),
+                "signed": signed,
+                "proof": PROOF_FORMAT,
+            },
         )
         allowance = quota(owner)
         holdings = self.holdings

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefix_store.blob import Blob, BlobId
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
-from prefix_store.provenance import Proof
+from prefix_store.provenance import PROOF_FORMAT, Proof
 
 
 def chunk_id(namespace: Namespace, key: int) -> BlobId:
@@ -35,5 +35,7 @@ def proof_of(blob: Blob) -> Proof:
 
 
 def is_signed(blob: Blob) -> bool:
-    """Whether the shard checked the blob's signature with the deployment's key."""
-    return bool(blob.meta.get("signed"))
+    """Whether the shard checked the blob's signature with the deployment's key, under the
+    current statements (`PROOF_FORMAT`): a blob kept from an older format is unsigned, so
+    a signed put replaces it."""
+    return bool(blob.meta.get("signed")) and blob.meta.get("proof") == PROOF_FORMAT

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefix_store.blob import Blob, combined_crc, crc32c
-from prefix_store.data_plane import head_major
+from prefix_store.blob import Blob
+from prefix_store.data_plane import head_major_pieces
 from prefix_store.errors import InvalidArgument, StoreFull
 from prefix_store.keys import chunk_keys, parent_keys
 from prefix_store.namespace import Namespace
-from prefix_store.provenance import Verifier, chunk_statement, content_digest, token_digests
+from prefix_store.provenance import PROOF_FORMAT, Verifier, chunk_statement, token_digests
+from prefix_store.shard.arrival import ArrivalCheck
 from prefix_store.shard.blobs import chunk_id, chunk_tokens, is_signed
 from prefix_store.shard.usage import QuotaCheck, check_quota
 
@@ -99,7 +100,9 @@ class PutSession:
     Each chunk's bytes land in one buffer of its own, allocated when its first segment
     arrives and holding exactly the chunk: a received message is copied out of, never kept
     (its unknown fields or padding pin nothing), and every byte buffered is first held in
-    the owner's share of the receive budget (`Reservation.grow`)."""
+    the owner's share of the receive budget (`Reservation.grow`). Each chunk's CRCs and
+    digest are computed as its bytes land (`ArrivalCheck`), so the commit reads no byte
+    again."""
 
     def __init__(
         self, shard, namespace, layout, ids, indices, owner, quota, signatures, weight=None
@@ -131,6 +134,9 @@ class PutSession:
             [None] * layout.num_layers for _ in self.tokens
         ]
         self.arrays: list[np.ndarray | None] = [None] * len(self.tokens)
+        self.checks = [
+            ArrivalCheck(layout.num_layers, layout.segment_bytes(len(t))) for t in self.tokens
+        ]
         self.received = 0
 
     def _slot(self, j: int, layer: int) -> memoryview:
@@ -157,11 +163,11 @@ class PutSession:
         if min(self.indices) < 0 or max(self.indices) >= n_chunks:
             raise InvalidArgument(f"header.chunk_indices: must be in [0, {n_chunks})")
 
-    def layer_views(self, layer: int) -> list[memoryview]:
-        """Where one layer of every chunk goes, as writable views in data-plane wire order
-        (K then V, per head, per chunk); the layer counts as received once filled. Each
-        chunk gets one uninitialised buffer for all its layers (no zero-fill pass: the
-        socket writes every byte of it)."""
+    def layer_pieces(self, layer: int) -> list[tuple[int, memoryview]]:
+        """Where one layer of every chunk goes: (chunk, writable view) in data-plane wire
+        order (K then V, per head, per chunk). Fill each in that order and then call
+        `arrived` with it; the layer counts as received. Each chunk gets one uninitialised
+        buffer for all its layers (no zero-fill pass: the socket writes every byte of it)."""
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidArgument(f"frame.layer: {layer} is not in [0, {self.layout.num_layers})")
         if any(self.segments[j][layer] is not None for j in range(len(self.indices))):
@@ -174,7 +180,11 @@ class PutSession:
         self.received += len(buffers)
         row_bytes = self.layout.head_dim * self.layout.itemsize
         lengths = [len(t) for t in self.tokens]
-        return head_major(buffers, lengths, self.layout.num_kv_heads, row_bytes)
+        return head_major_pieces(buffers, lengths, self.layout.num_kv_heads, row_bytes)
+
+    def arrived(self, chunk: int, layer: int, piece: memoryview) -> None:
+        """`piece` of `layer_pieces(layer)` is filled: check it while it is hot."""
+        self.checks[chunk].arrived(layer, piece, self.segments[chunk][layer])
 
     @property
     def layer_bytes(self) -> int:
@@ -199,6 +209,7 @@ class PutSession:
         slot = self._slot(chunk, layer)
         slot[:] = data
         self.segments[chunk][layer] = slot
+        self.checks[chunk].arrived(layer, slot, slot)
         self.received += 1
 
     def commit(self, crcs: Sequence[int]) -> Committed:
@@ -219,11 +230,11 @@ class PutSession:
         self.reservation.release()
 
     def _blob(self, j: int, crc: int) -> Blob:
-        data = tuple(self.segments[j])
-        if combined_crc(data) != crc:
+        data, check = tuple(self.segments[j]), self.checks[j]
+        if check.crc() != crc:
             raise InvalidArgument(f"commit.crc32c[{j}]: chunk {j} arrived corrupted")
         self.segments[j] = []
-        digest = content_digest(data)
+        digest = check.digest()
         signature = self.signatures[j] if self.signatures else b""
         signed = signature != b"" and self.shard.check_signature(
             chunk_statement(self.layout, self.token_digests[j], digest),
@@ -236,12 +247,13 @@ class PutSession:
             owner=self.owner,
             tokens=tuple(self.tokens[j]),
             segment_bytes=self.layout.segment_bytes(len(self.tokens[j])),
-            crcs=tuple(crc32c(segment) for segment in data),
+            crcs=tuple(check.crcs),
             data=data,
             meta={
                 "parent": self.parents[j],
                 "digest": digest.hex(),
                 "signature": signature.hex(),
                 "signed": signed,
+                "proof": PROOF_FORMAT,
             },
         )
