@@ -19,7 +19,14 @@ from prefix_store.client import core as policy
 from prefix_store.client.aio_attention import AsyncAttentionSession
 from prefix_store.client.channels import Connections
 from prefix_store.client.near_data import AttendRoute
-from prefix_store.client.plan import ArtifactReceipt, CachedPrefix, Topology, artifact_messages
+from prefix_store.client.plan import (
+    ArtifactReceipt,
+    CachedPrefix,
+    ReceivedArtifact,
+    Topology,
+    artifact_messages,
+    declared_id,
+)
 from prefix_store.client.retry import Attempts, retrying_async
 from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
@@ -269,12 +276,42 @@ class AsyncStoreClient:
     async def put_artifact(
         self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None = None
     ) -> int:
-        """As `StoreClient.put_artifact`."""
+        """As `StoreClient.put_artifact` (two phases over the data plane)."""
         await self._fresh()
         ident = self.core.artifact_id(prefix, spec, data, signer)
         owners = self.core.artifact_owners(prefix, spec)
-        puts = (outcome(self._put_artifact(s, ident, data)) for s in owners)
-        return self.core.artifact_stored(list(await asyncio.gather(*puts)))
+        lanes = self.core.artifact_data_plane(owners)
+        if lanes is None:
+            puts = (outcome(self._put_artifact(s, ident, data)) for s in owners)
+            return self.core.artifact_stored(list(await asyncio.gather(*puts)))
+        declared = declared_id(ident, data)
+        opened = await asyncio.gather(
+            *(outcome(self._open_put_artifact(s, declared)) for s in owners)
+        )
+        granted = [
+            (s, o.ticket)
+            for s, o in zip(owners, opened, strict=True)
+            if not isinstance(o, BaseException)
+        ]
+        refusal = self.core.artifact_refusal(list(opened))
+        if refusal is not None:
+            for shard_id, ticket in granted:
+                await asyncio.to_thread(self._conn.abandon, lanes[shard_id], ticket)
+            raise refusal
+        deadline = self.core.deadlines.stream
+        sends = (
+            outcome(asyncio.to_thread(self._conn.send_artifact, lanes[s], ticket, data, deadline))
+            for s, ticket in granted
+        )
+        failed = [o for o in opened if isinstance(o, BaseException)]
+        return self.core.artifact_stored(failed + list(await asyncio.gather(*sends)))
+
+    async def _open_put_artifact(self, shard_id: str, declared: pb.ArtifactId) -> pb.TransferTicket:
+        async def call(target: str) -> pb.TransferTicket:
+            address, idle = self.core.address(target), self.core.deadlines.idle
+            return await self._conn.call(address, "OpenPutArtifact", declared, idle)
+
+        return await retrying_async(self.core.attempts([shard_id]), call)
 
     async def _put_artifact(self, shard_id: str, ident: pb.ArtifactId, data: bytes) -> int:
         async def call(target: str) -> int:
@@ -287,16 +324,24 @@ class AsyncStoreClient:
 
     async def fetch_artifact(
         self, prefix: CachedPrefix, spec: str, verifier: Verifier | None = None
-    ) -> bytes | None:
+    ) -> bytes | bytearray | None:
         """As `StoreClient.fetch_artifact`."""
         await self._fresh()
         search = self.core.artifact_search(prefix, spec, verifier)
 
-        async def read(shard_id: str) -> ArtifactReceipt:
+        async def read(shard_id: str) -> ArtifactReceipt | ReceivedArtifact:
+            address, lane = self.core.address(shard_id), self.core.data_address(shard_id)
+            deadlines = self.core.deadlines
+            if lane is not None:
+                ticket = await self._conn.call(
+                    address, "OpenFetchArtifact", search.request, deadlines.idle
+                )
+                receive = self._conn.receive_artifact
+                data = await asyncio.to_thread(receive, lane, ticket, deadlines.stream)
+                return ReceivedArtifact(data, ticket.signature)
             receipt = ArtifactReceipt()
-            address, deadline = self.core.address(shard_id), self.core.deadlines.stream
             async for message in self._conn.call(
-                address, "FetchArtifact", search.request, deadline
+                address, "FetchArtifact", search.request, deadlines.stream
             ):
                 receipt.add(message)
             return receipt

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
-from prefix_store.client.transfer import send_put
+from prefix_store.client.transfer import abandon, receive_artifact, send_artifact, send_put
 from prefix_store.config import ClientConfig
 from prefix_store.protocol.frames import redemption
 from prefix_store.tls import client_context
@@ -106,6 +106,22 @@ class Connections:
             timeout_s,
             self.data_tls,
         )
+
+    def send_artifact(self, address: str, ticket: bytes, data, timeout_s: float) -> int:
+        """An artifact's data-plane put at `address`, after OpenPutArtifact granted `ticket`
+        (blocking); the bytes stored."""
+        redeem = redemption(ticket, self.token)
+        return send_artifact(address, redeem, data, timeout_s, self.data_tls).stored_bytes
+
+    def receive_artifact(self, address: str, ticket: pb.TransferTicket, timeout_s: float):
+        """An artifact's bytes over the data plane, after OpenFetchArtifact (blocking)."""
+        redeem = redemption(ticket.ticket, self.token)
+        size = ticket.total_bytes
+        return receive_artifact(address, redeem, size, timeout_s, self.data_tls)
+
+    def abandon(self, address: str, ticket: bytes) -> None:
+        """Give a ticket back at once (see `transfer.abandon`; blocking)."""
+        abandon(address, redemption(ticket, self.token), self.config.idle_timeout_s, self.data_tls)
 
     def take(self) -> list:
         """Every channel, forgotten (the caller closes them)."""

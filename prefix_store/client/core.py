@@ -505,6 +505,24 @@ class ClientCore:
     def artifact_owners(self, prefix: CachedPrefix, spec: str) -> list[str]:
         return self.healthy_first(self.topology.owners(artifact_placement(prefix.key, spec)))
 
+    def artifact_data_plane(self, owners: Sequence[str]) -> dict[str, str] | None:
+        """Each owner's data-plane address when every owner has one: the artifact then
+        moves over the data plane, its put in two phases (`artifact_refusal`); None: over
+        gRPC."""
+        addresses = {s: self.data_address(s) for s in owners}
+        return addresses if owners and None not in addresses.values() else None
+
+    @staticmethod
+    def artifact_refusal(outcomes: list) -> BaseException | None:
+        """What refuses a two-phase put_artifact before any byte moves (outcomes: each
+        owner's ticket or error): any error but UNAVAILABLE, or UNAVAILABLE from every
+        owner. The owners that granted a ticket then give it back, so none keeps a copy."""
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        fatal = [e for e in errors if not isinstance(e, Unavailable)]
+        if fatal or len(errors) == len(outcomes):
+            return (fatal or errors)[0]
+        return None
+
     def artifact_stored(self, outcomes: list) -> int:
         """Bytes a put_artifact stored (outcomes: stored bytes or the error of each owner);
         it fails when no owner took it, or with any error but UNAVAILABLE."""
@@ -552,8 +570,9 @@ class ArtifactSearch:
         except (NotFound, DataLoss, Unavailable) as error:
             log.info("fetch_artifact: %s failed (%s); trying the next owner", shard_id, error)
             return
-        statement = artifact_statement_of(self.prefix, self.spec, data)
-        if self.verifier is None or self.verifier.verify(statement, outcome.signature):
+        if self.verifier is None or self.verifier.verify(
+            artifact_statement_of(self.prefix, self.spec, data), outcome.signature
+        ):
             self.found = data
         else:
             log.warning("artifact %s on %s is not signed by this deployment", self.spec, shard_id)

@@ -621,16 +621,35 @@ def artifact_statement_of(prefix: CachedPrefix, spec: str, data: bytes) -> bytes
     return artifact_statement(prefix.layout, prefix.key, prefix.tokens, spec, digest)
 
 
+def declared_id(ident: pb.ArtifactId, data) -> pb.ArtifactId:
+    """`ident` declaring the size of `data` (what PutArtifact and OpenPutArtifact send
+    first)."""
+    declared = pb.ArtifactId()
+    declared.CopyFrom(ident)
+    declared.size = memoryview(data).nbytes
+    return declared
+
+
 def artifact_messages(ident: pb.ArtifactId, data: bytes, step: int) -> Iterator:
     """PutArtifact's stream: the id (declaring the size), the data in `step`-byte messages,
     the checksum."""
-    declared = pb.ArtifactId()
-    declared.CopyFrom(ident)
-    declared.size = len(data)
-    yield pb.PutArtifactRequest(id=declared)
-    for start in range(0, len(data), step):
-        yield pb.PutArtifactRequest(data=data[start : start + step])
-    yield pb.PutArtifactRequest(crc32c=crc32c(data))
+    view = memoryview(data).cast("B")
+    yield pb.PutArtifactRequest(id=declared_id(ident, view))
+    for start in range(0, view.nbytes, step):
+        yield pb.PutArtifactRequest(data=bytes(view[start : start + step]))
+    yield pb.PutArtifactRequest(crc32c=crc32c(view))
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedArtifact:
+    """An artifact received over the data plane, its CRC-32C already checked on arrival;
+    read as an `ArtifactReceipt` is (`data()`, `signature`)."""
+
+    payload: bytearray
+    signature: bytes
+
+    def data(self) -> bytearray:
+        return self.payload
 
 
 class ArtifactReceipt:

@@ -30,8 +30,10 @@ from prefix_store.client.plan import (
     ArtifactReceipt,
     Assembly,
     CachedPrefix,
+    ReceivedArtifact,
     Topology,
     artifact_messages,
+    declared_id,
 )
 from prefix_store.client.retry import Attempts, retrying
 from prefix_store.client.transfer import Cancels, receive
@@ -338,12 +340,42 @@ class StoreClient:
         self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None = None
     ) -> int:
         """Store a compressed artifact of a cached prefix on all its owners (signed with
-        `signer` when given); returns the bytes stored. Fails when no owner took it."""
+        `signer` when given); returns the bytes stored. Fails when no owner took it.
+
+        Over the data plane (every owner has one) a put has two phases: every owner first
+        grants a ticket, which holds the bytes against its quota and room; one refusing
+        (other than UNAVAILABLE) refuses the put before any byte moves, and the others'
+        tickets are given back, so no copy is stored or charged anywhere."""
         self._fresh()
         ident = self.core.artifact_id(prefix, spec, data, signer)
         owners = self.core.artifact_owners(prefix, spec)
-        jobs = [self._pool.submit(self._put_artifact, s, ident, data) for s in owners]
-        return self.core.artifact_stored([outcome(job.result) for job in jobs])
+        lanes = self.core.artifact_data_plane(owners)
+        if lanes is None:
+            jobs = [self._pool.submit(self._put_artifact, s, ident, data) for s in owners]
+            return self.core.artifact_stored([outcome(job.result) for job in jobs])
+        declared = declared_id(ident, data)
+        opens = [(s, self._pool.submit(self._open_put_artifact, s, declared)) for s in owners]
+        opened = [(s, outcome(job.result)) for s, job in opens]
+        granted = [(s, o.ticket) for s, o in opened if not isinstance(o, BaseException)]
+        refusal = self.core.artifact_refusal([o for _, o in opened])
+        if refusal is not None:
+            for shard_id, ticket in granted:
+                self._conn.abandon(lanes[shard_id], ticket)
+            raise refusal
+        deadline = self.core.deadlines.stream
+        sends = [
+            self._pool.submit(self._conn.send_artifact, lanes[s], ticket, data, deadline)
+            for s, ticket in granted
+        ]
+        failed = [o for _, o in opened if isinstance(o, BaseException)]
+        return self.core.artifact_stored(failed + [outcome(job.result) for job in sends])
+
+    def _open_put_artifact(self, shard_id: str, declared: pb.ArtifactId) -> pb.TransferTicket:
+        def call(target: str) -> pb.TransferTicket:
+            address, idle = self.core.address(target), self.core.deadlines.idle
+            return self._conn.call(address, "OpenPutArtifact", declared, idle)
+
+        return retrying(self.core.attempts([shard_id]), call)
 
     def _put_artifact(self, shard_id: str, ident: pb.ArtifactId, data: bytes) -> int:
         deadline = self.core.deadlines.stream
@@ -357,9 +389,9 @@ class StoreClient:
 
     def fetch_artifact(
         self, prefix: CachedPrefix, spec: str, verifier: Verifier | None = None
-    ) -> bytes | None:
-        """The artifact's bytes, or None when no owner holds it (with `verifier`: none holds
-        one whose signature verifies)."""
+    ) -> bytes | bytearray | None:
+        """The artifact's bytes (a bytearray when they came over the data plane), or None
+        when no owner holds it (with `verifier`: none holds one whose signature verifies)."""
         self._fresh()
         search = self.core.artifact_search(prefix, spec, verifier)
         for shard_id in search:
@@ -386,10 +418,18 @@ class StoreClient:
         finally:
             call.cancel()
 
-    def _read_artifact(self, shard_id: str, request) -> ArtifactReceipt:
+    def _read_artifact(self, shard_id: str, request) -> ArtifactReceipt | ReceivedArtifact:
+        address, lane = self.core.address(shard_id), self.core.data_address(shard_id)
+        if lane is not None:
+            ticket = self._conn.call(
+                address, "OpenFetchArtifact", request, self.core.deadlines.idle
+            )
+            data = self._conn.receive_artifact(lane, ticket, self.core.deadlines.stream)
+            return ReceivedArtifact(data, ticket.signature)
         receipt = ArtifactReceipt()
-        address, deadline = self.core.address(shard_id), self.core.deadlines.stream
-        for message in self._conn.call(address, "FetchArtifact", request, deadline):
+        for message in self._conn.call(
+            address, "FetchArtifact", request, self.core.deadlines.stream
+        ):
             receipt.add(message)
         return receipt
 

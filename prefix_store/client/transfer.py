@@ -21,7 +21,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.blob import crc32c
 from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
-from prefix_store.errors import LimitExceeded, StoreError, Unavailable
+from prefix_store.errors import CorruptInTransit, LimitExceeded, StoreError, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.protocol.frames import (
     CHECKED,
@@ -171,16 +171,88 @@ def send_put(
                 send_buffers(sock, wire_views(k, v, chunks))
             commit = struct.pack(f"<{len(crcs)}I", *crcs)
             sock.sendall(HEADER.pack(COMMIT, 0, len(chunks), len(commit)) + commit)
-            magic, _, _, size = read_frame_header(sock)
-            if magic == ERROR:
-                raise in_band_error(sock, size)
-            if magic != DONE or size > 64 + 32 * len(chunks):  # two keys per chunk at most
-                raise Unavailable(f"data plane: unexpected reply from {address} ({size} bytes)")
-            body = bytearray(size)
-            recv_exact(sock, memoryview(body))
-            try:
-                return pb.PutResponse.FromString(bytes(body))
-            except DecodeError as error:
-                raise Unavailable(f"data plane: malformed reply from {address}") from error
+            return put_reply(sock, address, len(chunks))
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error
+
+
+def put_reply(sock: socket.socket, address: str, chunks: int) -> pb.PutResponse:
+    """The shard's answer to a data-plane put of `chunks` chunks: its PutResponse, or its
+    typed error."""
+    magic, _, _, size = read_frame_header(sock)
+    if magic == ERROR:
+        raise in_band_error(sock, size)
+    if magic != DONE or size > 64 + 32 * chunks:  # two keys per chunk at most
+        raise Unavailable(f"data plane: unexpected reply from {address} ({size} bytes)")
+    body = bytearray(size)
+    recv_exact(sock, memoryview(body))
+    try:
+        return pb.PutResponse.FromString(bytes(body))
+    except DecodeError as error:
+        raise Unavailable(f"data plane: malformed reply from {address}") from error
+
+
+ARTIFACT_PIECE = 1 << 20
+"""Artifacts are sent and received, and their CRC-32C computed, this many bytes at a time
+(each piece checked while it is in cache)."""
+
+
+def send_artifact(
+    address: str, ticket: bytes, data, timeout_s: float, tls: ssl.SSLContext | None = None
+) -> pb.PutResponse:
+    """Redeem an OpenPutArtifact ticket: the bytes as one frame (from `data`, no copies
+    without TLS), the commit with their CRC-32C, then the shard's PutResponse or its typed
+    error. `tls`: see `connect`."""
+    view = memoryview(data).cast("B")
+    crc = 0
+    try:
+        with connect(address, timeout_s, tls) as sock:
+            sock.sendall(ticket)
+            sock.sendall(HEADER.pack(OK, 0, 1, view.nbytes))
+            for start in range(0, view.nbytes, ARTIFACT_PIECE):
+                piece = view[start : start + ARTIFACT_PIECE]
+                crc = crc32c(piece, crc)
+                sock.sendall(piece)
+            sock.sendall(HEADER.pack(COMMIT, 0, 1, 4) + struct.pack("<I", crc))
+            return put_reply(sock, address, 1)
+    except OSError as error:
+        raise Unavailable(f"data plane {address}: {error}") from error
+
+
+def receive_artifact(
+    address: str, ticket: bytes, size: int, timeout_s: float, tls: ssl.SSLContext | None = None
+) -> bytearray:
+    """Redeem an OpenFetchArtifact ticket for an artifact of `size` bytes: its bytes,
+    checked against the CRC-32C stored with them (CorruptInTransit when they differ; an
+    in-band error raises its typed error, socket failures Unavailable)."""
+    try:
+        with connect(address, timeout_s, tls) as sock:
+            sock.sendall(ticket)
+            magic, layer, count, got = read_frame_header(sock)
+            if magic == ERROR:
+                raise in_band_error(sock, got, fetch=True)
+            if (magic, layer, count, got) != (CHECKED, 0, 1, size):
+                raise Unavailable(
+                    f"data plane: frame {(magic, layer, count, got)} from {address}, "
+                    f"expected the artifact's {size} bytes"
+                )
+            stored = bytearray(4)
+            recv_exact(sock, memoryview(stored))
+            buffer, crc = bytearray(size), 0
+            view = memoryview(buffer)
+            for start in range(0, size, ARTIFACT_PIECE):
+                piece = view[start : start + ARTIFACT_PIECE]
+                recv_exact(sock, piece)
+                crc = crc32c(piece, crc)
+            if crc != struct.unpack("<I", stored)[0]:
+                raise CorruptInTransit("fetch_artifact: the artifact arrived corrupted")
+            return buffer
+    except OSError as error:
+        raise Unavailable(f"data plane {address}: {error}") from error
+
+
+def abandon(address: str, ticket: bytes, timeout_s: float, tls: ssl.SSLContext | None) -> None:
+    """Redeem a ticket and hang up at once, so that the shard releases what it holds for it
+    now rather than when it expires (best effort: a failure here changes nothing)."""
+    with contextlib.suppress(OSError), connect(address, timeout_s, tls) as sock:
+        sock.sendall(ticket)

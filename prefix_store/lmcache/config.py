@@ -40,8 +40,8 @@ class GatewayConfig:
     """Open LMCache connections; a further one is closed at once."""
     max_object_bytes: int = 256 * MiB
     """Largest PUT payload; a larger declared length closes the connection. A payload is
-    buffered as its bytes arrive (`session.READ_PIECE` at a time), never allocated whole
-    from the declared length."""
+    read into its final buffer, whose pages are backed only as its bytes arrive
+    (`objects.Envelope.buffer`): memory grows with what arrived, not the declared length."""
     io_timeout_s: float = 30.0
     """A frame whose bytes stall this long (mid-header, mid-payload, a reply not taken)
     closes its connection."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from prefix_store.client import CachedPrefix, ChunkPlan, StoreClient
 from prefix_store.keys import sha256_cbor_64bit
 from prefix_store.layout import KVLayout
@@ -55,13 +57,14 @@ class Envelope:
         )
 
     @classmethod
-    def buffer(cls, key: str, meta: ObjectMeta, length: int) -> tuple[bytearray, memoryview]:
-        """A buffer for the whole stored object, its envelope written; and the view of it
-        the payload goes into (`length` bytes)."""
-        buffer = cls.head(key, meta, length)
-        start = len(buffer)
-        buffer.extend(bytes(length))
-        return buffer, memoryview(buffer)[start:]
+    def buffer(cls, key: str, meta: ObjectMeta, length: int) -> tuple[memoryview, memoryview]:
+        """The whole stored object's final buffer, its envelope written; and the view of it
+        the payload is read into (`length` bytes, not written yet: its pages are backed
+        only as its bytes land, so memory grows with what arrived, not with `length`)."""
+        head = cls.head(key, meta, length)
+        buffer = memoryview(np.empty(len(head) + length, dtype=np.uint8))
+        buffer[: len(head)] = head
+        return buffer, buffer[len(head) :]
 
     @classmethod
     def open(cls, key: str, data: bytes) -> tuple[ObjectMeta, memoryview] | None:
@@ -87,10 +90,12 @@ class ObjectStore:
         self.namespace = namespace
         self.salt = client.topology.salt(namespace)
 
-    def put(self, key: str, stored: bytes) -> int:
-        """Store an object (its envelope and payload, from `Envelope.buffer`), replacing
-        one under the same key; returns the bytes stored (replicas included). Refused whole
-        (QuotaExceeded, StoreFull, ...) before the old object is touched."""
+    def put(self, key: str, stored) -> int:
+        """Store an object (its envelope and payload, from `Envelope.buffer`: a buffer the
+        data plane sends from as it is), replacing one under the same key; returns the
+        bytes stored (replicas included). Refused whole (QuotaExceeded, StoreFull, ...)
+        before the old object is touched: over the data plane, by every owner before any
+        byte moves (`StoreClient.put_artifact`)."""
         return self.client.put_artifact(self._prefix(key), SPEC_PREFIX + key, stored)
 
     def get(self, key: str) -> tuple[ObjectMeta, memoryview] | None:

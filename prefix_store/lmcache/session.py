@@ -27,8 +27,6 @@ from prefix_store.lmcache.protocol import (
 )
 
 log = logging.getLogger("prefix_store.lmcache")
-READ_PIECE = 1 << 20
-"""A PUT's payload is received this many bytes at a time, appended as it arrives."""
 
 
 class Closed(Exception):
@@ -101,10 +99,12 @@ class Session:
     # ---- commands ---------------------------------------------------------------------
 
     def put(self, header: ClientHeader) -> None:
-        buffer = Envelope.head(header.key, header.meta, header.length)
-        self._read_appending(buffer, header.length)
+        """The payload straight into the stored object's final buffer (its length already
+        checked against `max_object_bytes`), then stored from that buffer."""
+        stored, payload = Envelope.buffer(header.key, header.meta, header.length)
+        self._read_into(payload)
         try:
-            self.objects.put(header.key, bytes(buffer))
+            self.objects.put(header.key, stored)
             self.stats.count("puts")
             self.stats.count("bytes_in", header.length)
         except StoreError as error:
@@ -159,17 +159,6 @@ class Session:
                 self.sock.settimeout(self.io_timeout_s)
             got += n
         return True
-
-    def _read_appending(self, buffer: bytearray, length: int) -> None:
-        """Append the next `length` bytes to `buffer`, at most `READ_PIECE` at a time: memory
-        grows with the bytes that arrived, not with the length a frame declares."""
-        piece = bytearray(min(length, READ_PIECE))
-        while length > 0:
-            view = memoryview(piece)[: min(length, READ_PIECE)]
-            self._read_into(view)
-            buffer += view
-            length -= len(view)
-            view.release()
 
     def _send(self, head: bytes, payload: memoryview | None = None) -> None:
         """Send the reply; each send may stall at most `io_timeout_s` (not the whole)."""

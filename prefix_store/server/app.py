@@ -37,7 +37,8 @@ METHODS = (
     (Admin, {"Describe": UNARY, "Stats": UNARY}),
     (Chunks, {"Lookup": UNARY, "Delete": UNARY, "OpenFetch": UNARY, "OpenPut": UNARY,
               "Put": CLIENT_STREAM, "Fetch": SERVER_STREAM}),
-    (Artifacts, {"PutArtifact": CLIENT_STREAM, "FetchArtifact": SERVER_STREAM}),
+    (Artifacts, {"PutArtifact": CLIENT_STREAM, "FetchArtifact": SERVER_STREAM,
+                 "OpenPutArtifact": UNARY, "OpenFetchArtifact": UNARY}),
     (AttendMethod, {"Attend": BIDI}),
 )  # fmt: skip
 """Each part of the service and its methods, by the shape of their streams."""

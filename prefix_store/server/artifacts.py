@@ -1,21 +1,23 @@
 """The store's artifact methods: PutArtifact (the id declaring the size, then the data,
 then its checksum) and FetchArtifact (the bytes in messages of the caller's size, the first
-carrying the signature and the last the CRC-32C)."""
+carrying the signature and the last the CRC-32C); OpenPutArtifact and OpenFetchArtifact, the
+same over the data plane (a ticket; the bytes move as one frame, no gRPC message copies)."""
 
 from __future__ import annotations
 
 import numpy as np
 from vericache.v1 import prefix_store_pb2 as pb
 
-from prefix_store.blob import crc32c
 from prefix_store.errors import Aborted, InvalidArgument
 from prefix_store.metadata.records import Tenant
 from prefix_store.pace import Pace
 from prefix_store.server.requests import layout_of
 from prefix_store.server.service import Service
+from prefix_store.server.transfers import receive_artifact, send_artifact
 from prefix_store.shard import Reservation
+from prefix_store.shard.arrival import ArrivalCheck
 from rpc.handler import streaming, unary
-from rpc.server import client_stream
+from rpc.server import client_stream, peer_host
 
 MAX_SPEC = 256
 
@@ -42,10 +44,13 @@ class Artifacts:
         self._check_spec(ident.compressor)
         pace = Pace(self.service.config.puts, ident.size, "put_artifact")
         with self._admit_artifact(ident.size, tenant) as held, self.service.pacer.watch(call, pace):
-            data = self._artifact_data(messages, ident.size, held, pace)
+            data, check = self._artifact_data(messages, ident.size, held, pace)
+        return self._store(ident, space, tenant, data, check)
+
+    def _store(self, ident, space, tenant: Tenant, data, check: ArrivalCheck) -> pb.PutResponse:
         stored = self.service.shard.put_artifact(
             space,
-            layout,
+            layout_of(ident),
             ident.prefix_key,
             ident.prefix_tokens,
             ident.compressor,
@@ -53,8 +58,75 @@ class Artifacts:
             tenant.name,
             self.service.quota,
             ident.signature,
+            check,
         )
         return pb.PutResponse(chunk_keys=[ident.prefix_key], stored_bytes=stored)
+
+    @unary
+    def OpenPutArtifact(self, request, call):
+        """As PutArtifact, over the data plane: the id declares the size, refused over quota
+        or room before the ticket is issued; the bytes stay reserved until the put ends."""
+        if self.service.data_plane is None:
+            raise InvalidArgument("OpenPutArtifact: this shard has no data plane; use PutArtifact")
+        tenant, space = self.service.writer(call, request.namespace)
+        self.service.config.layouts.check(layout_of(request), "id.layout")
+        self._check_spec(request.compressor)
+        held = self._admit_artifact(request.size, tenant)
+        store = lambda data, check: self._store(request, space, tenant, data, check)  # noqa: E731
+        try:
+            ticket = self.service.data_plane.issue(
+                lambda conn: receive_artifact(conn, held, self.service.config.puts, store),
+                held.release,
+                peer_host(call.peer()),
+                request.size,
+                self.service.owner_key(call),
+                tenant.name,
+                tenant.weight,
+            )
+        except BaseException:
+            held.release()
+            raise
+        return self._ticket(ticket, request.size)
+
+    @unary
+    def OpenFetchArtifact(self, request, call):
+        """As FetchArtifact, over the data plane: the ticket carries the size and the
+        signature; its connection one CHECKED frame (the stored CRC-32C, then the bytes,
+        checked against it as they are sent: `send_artifact`)."""
+        if self.service.data_plane is None:
+            raise InvalidArgument(
+                "OpenFetchArtifact: this shard has no data plane; use FetchArtifact"
+            )
+        ident = request.id
+        tenant, space = self.service.caller(call, ident.namespace)
+        self._check_spec(ident.compressor)
+        read = self.service.shard.open_artifact_read(
+            space, layout_of(ident), ident.prefix_key, ident.compressor
+        )
+        size = memoryview(read.data).nbytes
+        try:
+            ticket = self.service.data_plane.issue(
+                lambda conn: send_artifact(conn, read),
+                read.close,
+                peer_host(call.peer()),
+                size,
+                self.service.owner_key(call),
+                tenant.name,
+                tenant.weight,
+            )
+        except BaseException:
+            read.close()
+            raise
+        return self._ticket(ticket, size, read.proof.signature)
+
+    def _ticket(self, ticket: bytes, size: int, signature: bytes = b"") -> pb.TransferTicket:
+        return pb.TransferTicket(
+            ticket=ticket,
+            data_address=self.service.data_address,
+            total_bytes=size,
+            expires_ms=int(self.service.data_plane.ticket_ttl_s * 1000),
+            signature=signature,
+        )
 
     def _admit_artifact(self, size: int, tenant: Tenant) -> Reservation:
         """Refuse an artifact by its declared size, before any of its bytes is buffered."""
@@ -70,8 +142,9 @@ class Artifacts:
 
     def _artifact_data(self, messages, declared: int, held: Reservation, pace: Pace):
         """The artifact's bytes, copied as they arrive into one buffer of the declared size
-        (each part held in the receive budget first); checked against its CRC-32C."""
-        buffer, size = None, 0
+        (each part held in the receive budget first; its CRC-32C and digest computed as it
+        lands), and those checks; checked against the CRC-32C sent."""
+        buffer, size, check = None, 0, ArrivalCheck(1, declared)
         for message in messages:
             part = message.WhichOneof("part")
             if part == "data":
@@ -82,17 +155,18 @@ class Artifacts:
                 held.grow(n)
                 if buffer is None:
                     buffer = np.empty(declared, dtype=np.uint8)
-                memoryview(buffer)[size : size + n] = message.data
+                piece = memoryview(buffer)[size : size + n]
+                piece[:] = message.data
+                check.arrived(0, piece, memoryview(buffer))
                 size += n
                 pace.arrived(n)
                 del message  # not kept while the next one is awaited
             elif part == "crc32c":
                 if size != declared:
                     raise InvalidArgument(f"data: {size} bytes arrived, {declared} declared")
-                data = memoryview(buffer).toreadonly()
-                if crc32c(data) != message.crc32c:
+                if check.crcs[0] != message.crc32c:
                     raise InvalidArgument("crc32c: the artifact arrived corrupted")
-                return data
+                return memoryview(buffer).toreadonly(), check
             else:
                 raise InvalidArgument(f"put_artifact: unexpected {part or 'empty'} message")
         raise Aborted("put_artifact: the stream ended before its checksum; nothing was stored")
@@ -108,10 +182,9 @@ class Artifacts:
         _, space = self.service.caller(call, ident.namespace)
         self._check_spec(ident.compressor)
         step = self.service.message_bytes(request.max_message_bytes)
-        data, _, proof = self.service.shard.fetch_artifact(
+        data, _, proof, crc = self.service.shard.fetch_artifact(
             space, layout_of(ident), ident.prefix_key, ident.compressor
         )
-        crc = crc32c(data)
         if not data:
             yield pb.FetchArtifactResponse(total_bytes=0, crc32c=crc, signature=proof.signature)
         for start in range(0, len(data), step):

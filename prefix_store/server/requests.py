@@ -9,8 +9,11 @@ from prefix_store.errors import InvalidArgument
 from prefix_store.layout import KVLayout
 
 SMALL_REQUEST = 64 * 1024
-"""Largest request of Describe, Stats and FetchArtifact (they carry a few names)."""
-SMALL_REQUESTS = frozenset({"Describe", "Stats", "FetchArtifact"})
+"""Largest request of Describe, Stats and the artifact methods with one request (they carry
+a few names)."""
+SMALL_REQUESTS = frozenset(
+    {"Describe", "Stats", "FetchArtifact", "OpenPutArtifact", "OpenFetchArtifact"}
+)
 REQUESTS = {
     "Describe": pb.DescribeRequest,
     "Lookup": pb.LookupRequest,
@@ -20,6 +23,8 @@ REQUESTS = {
     "Stats": pb.StatsRequest,
     "Fetch": pb.FetchRequest,
     "FetchArtifact": pb.FetchArtifactRequest,
+    "OpenPutArtifact": pb.ArtifactId,
+    "OpenFetchArtifact": pb.FetchArtifactRequest,
 }
 """The request message of each method with one request; `app.handlers` passes them raw."""
 STREAMS = {"Put": None, "PutArtifact": pb.PutArtifactRequest, "Attend": pb.AttendRequest}

@@ -4,7 +4,8 @@ metadata alone, then a call slot, then its request read), and the helpers the pa
 a call (its caller and namespace, size checks).
 
 The service's methods are served by its parts, one noun each: `chunks` (Lookup, Put, OpenPut,
-Fetch, OpenFetch, Delete), `artifacts` (PutArtifact, FetchArtifact), `attend` (Attend) and
+Fetch, OpenFetch, Delete), `artifacts` (PutArtifact, FetchArtifact, OpenPutArtifact,
+OpenFetchArtifact), `attend` (Attend) and
 `admin` (Describe, Stats); `app` builds the server. Every request arrives as raw bytes: its
 size is checked before it is parsed (a malformed one is INVALID_ARGUMENT naming its
 message), and client streams' messages are parsed as they are read. Store errors map to

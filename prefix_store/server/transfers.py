@@ -1,17 +1,38 @@
 """The data-plane side of transfers a gRPC call opened: receiving a put's frames into its
-session (`receive_put`, paced), and closing what a fetch ticket holds exactly once (`once`)."""
+session (`receive_put`, paced) or an artifact into its buffer (`receive_artifact`), and
+closing what a ticket holds exactly once (`once`)."""
 
 from __future__ import annotations
 
 import struct
 import threading
 import time
+from collections.abc import Callable
 
+import numpy as np
 from vericache.v1 import prefix_store_pb2 as pb
 
+from prefix_store import faults
+from prefix_store.blob import crc32c
 from prefix_store.errors import InvalidArgument
 from prefix_store.pace import Pace, PutBounds
-from prefix_store.protocol.frames import COMMIT, DONE, HEADER, OK, read_frame_header, recv_exact
+from prefix_store.protocol.frames import (
+    CHECKED,
+    COMMIT,
+    DONE,
+    HEADER,
+    OK,
+    pack_crcs,
+    read_frame_header,
+    recv_exact,
+    send_buffers,
+)
+from prefix_store.shard import Reservation
+from prefix_store.shard.arrival import ArrivalCheck
+
+ARTIFACT_PIECE = 1 << 20
+"""An artifact's bytes are received (each piece first held in the receive budget) or sent,
+and checked, this many at a time."""
 
 
 def once(*actions):
@@ -65,6 +86,55 @@ def receive_put(conn, session, bounds: PutBounds) -> None:
         chunk_keys=done.keys, stored_bytes=done.new_bytes, new_keys=done.new_keys
     ).SerializeToString()
     conn.sendall(HEADER.pack(DONE, 0, 0, len(reply)) + reply)
+
+
+def receive_artifact(
+    conn, held: Reservation, bounds: PutBounds, store: Callable[..., pb.PutResponse]
+) -> None:
+    """The data-plane side of OpenPutArtifact: one frame of the declared size straight into
+    the artifact's final buffer (each piece held in the receive budget first, its CRC-32C
+    and digest computed as it lands), then the commit frame with the CRC-32C; `store(data,
+    check)` keeps it and its PutResponse is the answer. Paced as `receive_put`."""
+    size = held.declared
+    magic, layer, chunks, got = read_frame_header(conn)
+    if (magic, layer, chunks, got) != (OK, 0, 1, size):
+        raise InvalidArgument(
+            f"frame: expected the artifact's {size} bytes, got {(magic, layer, chunks, got)}"
+        )
+    pace, idle = Pace(bounds, size), conn.gettimeout()
+    buffer = memoryview(np.empty(size, dtype=np.uint8))
+    check = ArrivalCheck(1, size)
+    for start in range(0, size, ARTIFACT_PIECE):
+        piece = buffer[start : start + ARTIFACT_PIECE]
+        held.grow(len(piece))
+        recv_paced(conn, piece, pace, idle)
+        check.arrived(0, piece, buffer)
+    magic, _, chunks, size = read_frame_header(conn)
+    if magic != COMMIT or chunks != 1 or size != 4:
+        raise InvalidArgument("frame: expected the commit frame with the artifact's CRC-32C")
+    crc = bytearray(4)
+    recv_exact(conn, memoryview(crc))
+    if struct.unpack("<I", crc)[0] != check.crcs[0]:
+        raise InvalidArgument("crc32c: the artifact arrived corrupted")
+    held.release()  # the store checks quota and room itself, under the shard's lock
+    reply = store(buffer.toreadonly(), check).SerializeToString()
+    conn.sendall(HEADER.pack(DONE, 0, 0, len(reply)) + reply)
+
+
+def send_artifact(conn, read) -> None:
+    """The data-plane side of OpenFetchArtifact: one CHECKED frame, the stored CRC-32C then
+    the bytes, checked against it as they are sent, a piece at a time while it is in cache
+    (`shard.artifacts.ArtifactRead`). The stored bytes are never trusted unchecked: the
+    client checks the same CRC-32C before it uses any byte, and a mismatch found here drops
+    the artifact (`DataLoss`, so a later read is a miss or another replica's)."""
+    data = memoryview(read.data).cast("B")
+    conn.sendall(HEADER.pack(CHECKED, 0, 1, data.nbytes) + pack_crcs([read.crc]))
+    crc = 0
+    for start in range(0, data.nbytes, ARTIFACT_PIECE):
+        piece = data[start : start + ARTIFACT_PIECE]
+        crc = crc32c(piece, crc)
+        send_buffers(conn, faults.TRANSIT.tamper([piece]))
+    read.check(crc)
 
 
 def recv_paced(conn, view: memoryview, pace: Pace, idle: float | None) -> None:

@@ -4,7 +4,7 @@ an unsigned one."""
 
 from __future__ import annotations
 
-from prefix_store.blob import Blob, crc32c
+from prefix_store.blob import Blob
 from prefix_store.errors import InvalidArgument, NotFound, StoreFull
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
@@ -13,13 +13,38 @@ from prefix_store.provenance import (
     Proof,
     Verifier,
     artifact_statement,
-    content_digest,
 )
+from prefix_store.shard.arrival import ArrivalCheck
 from prefix_store.shard.blobs import artifact_id, is_signed, proof_of
 from prefix_store.shard.holdings import Holdings
 from prefix_store.shard.puts import check_signature
 from prefix_store.shard.reads import Reader
 from prefix_store.shard.usage import QuotaCheck, check_quota
+
+
+class ArtifactRead:
+    """A leased artifact being sent, checked as it goes: `data` as read from its tier (not
+    checked yet), its stored CRC-32C and provenance; `check(crc)` with the CRC-32C of the
+    bytes sent (`DataLoss`, the artifact dropped, when it differs); `close` releases the
+    lease (idempotent)."""
+
+    def __init__(self, reader: Reader, blob: Blob) -> None:
+        self.reader, self.blob = reader, blob
+        self.crc, self.proof = blob.crcs[0], proof_of(blob)
+        self._closed = False
+        try:
+            self.data = reader.stored(blob, 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def check(self, crc: int) -> None:
+        self.reader.check(self.blob, 0, crc)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.reader.release([self.blob.id])
 
 
 class Artifacts:
@@ -39,10 +64,15 @@ class Artifacts:
         owner: str,
         quota: QuotaCheck,
         signature: bytes = b"",
+        check: ArrivalCheck | None = None,
     ) -> int:
         """Store (or replace) an artifact; a signed one is never replaced by an unsigned one.
-        Returns its bytes."""
-        digest = content_digest([data])
+        Returns its bytes. `check`: its CRC-32C and digest, computed as it arrived (one
+        layer of `len(data)` bytes); else computed here."""
+        if check is None:
+            check = ArrivalCheck(1, len(data))
+            check.arrived(0, memoryview(data), memoryview(data))
+        digest = check.digest()
         statement = artifact_statement(layout, prefix_key, prefix_tokens, spec, digest)
         signed = check_signature(self.verifier, statement, signature, "id.signature")
         blob = Blob(
@@ -51,7 +81,7 @@ class Artifacts:
             owner=owner,
             tokens=(prefix_tokens,),
             segment_bytes=len(data),
-            crcs=(crc32c(data),),
+            crcs=tuple(check.crcs),
             data=(data,),
             meta={
                 "digest": digest.hex(),
@@ -91,15 +121,26 @@ class Artifacts:
             )
         self.holdings.leases.refuse_leased([blob.id])
 
+    def open_read(
+        self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
+    ) -> ArtifactRead:
+        """The artifact leased for a transfer that checks it as it sends it (NotFound: not
+        here)."""
+        blob = self.reader.lease(artifact_id(namespace, layout, prefix_key, spec))
+        if blob is None:
+            raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
+        return ArtifactRead(self.reader, blob)
+
     def fetch(
         self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
-    ) -> tuple[bytes, int, Proof]:
-        """The artifact's bytes, its prefix length and its provenance (NotFound: not here)."""
+    ) -> tuple[bytes, int, Proof, int]:
+        """The artifact's bytes (checked against its stored CRC-32C), its prefix length, its
+        provenance and that CRC-32C (NotFound: not here)."""
         blob_id = artifact_id(namespace, layout, prefix_key, spec)
         blob = self.reader.lease(blob_id)
         if blob is None:
             raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
         try:
-            return self.reader.segment(blob, 0), blob.tokens[0], proof_of(blob)
+            return self.reader.segment(blob, 0), blob.tokens[0], proof_of(blob), blob.crcs[0]
         finally:
             self.reader.release([blob_id])

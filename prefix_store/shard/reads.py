@@ -79,16 +79,26 @@ class Reader:
     def segment(self, blob: Blob, index: int) -> bytes:
         """One segment of a leased blob, from whichever tier holds it, checked against its
         stored CRC-32C (`DataLoss` when it fails: the blob is dropped)."""
-        if blob.data is not None:
-            data = blob.segment(index)
-        else:
-            try:
-                data = self.holdings.placement.disk.read_segment(blob.id, index)
-            except (OSError, KeyError) as error:
-                self._corrupt(blob, f"segment {index} unreadable: {error}")
-        if crc32c(data) != blob.crcs[index]:
-            self._corrupt(blob, f"segment {index}")
+        data = self.stored(blob, index)
+        self.check(blob, index, crc32c(data))
         return data
+
+    def stored(self, blob: Blob, index: int) -> bytes:
+        """One segment of a leased blob, from whichever tier holds it, not checked yet: the
+        caller `check`s the CRC-32C it computes over it before trusting it (`DataLoss` when
+        it cannot be read: the blob is dropped)."""
+        if blob.data is not None:
+            return blob.segment(index)
+        try:
+            return self.holdings.placement.disk.read_segment(blob.id, index)
+        except (OSError, KeyError) as error:
+            self._corrupt(blob, f"segment {index} unreadable: {error}")
+
+    def check(self, blob: Blob, index: int, crc: int) -> None:
+        """`DataLoss`, the blob dropped, unless `crc` (of the segment as read) is the one
+        stored with it."""
+        if crc != blob.crcs[index]:
+            self._corrupt(blob, f"segment {index}")
 
     def _corrupt(self, blob: Blob, where: str) -> None:
         log.error(

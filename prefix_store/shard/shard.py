@@ -54,6 +54,7 @@ class Shard:
         self.fetch = functools.partial(reads.fetch, self.reads)
         self.put_artifact = self.artifacts.put
         self.fetch_artifact = self.artifacts.fetch
+        self.open_artifact_read = self.artifacts.open_read
 
     def lookup(
         self,

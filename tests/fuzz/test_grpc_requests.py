@@ -46,6 +46,8 @@ VALID = {
     "Fetch": [pb.FetchRequest(layout=layout(), chunks=[chunk()])],
     "OpenPut": [pb.PutHeader(layout=layout(), token_ids=TOKENS, chunk_indices=[0, 1])],
     "FetchArtifact": [pb.FetchArtifactRequest(id=artifact())],
+    "OpenFetchArtifact": [pb.FetchArtifactRequest(id=artifact())],
+    "OpenPutArtifact": [artifact()],
     "PutArtifact": [
         pb.PutArtifactRequest(id=artifact()),
         pb.PutArtifactRequest(data=bytes(8)),

@@ -195,16 +195,18 @@ class FetchResponse(_message.Message):
     def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("ticket", "data_address", "total_bytes", "expires_ms")
+    __slots__ = ("ticket", "data_address", "total_bytes", "expires_ms", "signature")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     data_address: str
     total_bytes: int
     expires_ms: int
-    def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., expires_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ArtifactId(_message.Message):
     __slots__ = ("namespace", "layout", "prefix_key", "prefix_tokens", "compressor", "signature", "size")

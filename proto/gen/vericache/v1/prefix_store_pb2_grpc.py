@@ -74,6 +74,16 @@ class PrefixStoreStub(object):
                 request_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactRequest.SerializeToString,
                 response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactResponse.FromString,
                 _registered_method=True)
+        self.OpenPutArtifact = channel.unary_unary(
+                '/vericache.v1.PrefixStore/OpenPutArtifact',
+                request_serializer=vericache_dot_v1_dot_prefix__store__pb2.ArtifactId.SerializeToString,
+                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
+                _registered_method=True)
+        self.OpenFetchArtifact = channel.unary_unary(
+                '/vericache.v1.PrefixStore/OpenFetchArtifact',
+                request_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactRequest.SerializeToString,
+                response_deserializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/vericache.v1.PrefixStore/Delete',
                 request_serializer=vericache_dot_v1_dot_prefix__store__pb2.DeleteRequest.SerializeToString,
@@ -142,6 +152,24 @@ class PrefixStoreServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenPutArtifact(self, request, context):
+        """The artifact methods over the data plane: the id declares the size (refused over quota
+        or room before a ticket is issued; the bytes stay reserved until the put ends), then the
+        ticket's connection carries one OK frame (layer 0, 1 chunk, the size) with the bytes and
+        the COMMIT frame with their CRC-32C, answered by DONE and the PutResponse.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenFetchArtifact(self, request, context):
+        """The ticket's connection carries one CHECKED frame (layer 0, 1 chunk): the stored
+        CRC-32C, then the bytes. The ticket carries the size and the signature.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Delete(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -202,6 +230,16 @@ def add_PrefixStoreServicer_to_server(servicer, server):
                     servicer.FetchArtifact,
                     request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactRequest.FromString,
                     response_serializer=vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactResponse.SerializeToString,
+            ),
+            'OpenPutArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenPutArtifact,
+                    request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.ArtifactId.FromString,
+                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.SerializeToString,
+            ),
+            'OpenFetchArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFetchArtifact,
+                    request_deserializer=vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactRequest.FromString,
+                    response_serializer=vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -435,6 +473,60 @@ class PrefixStore(object):
             '/vericache.v1.PrefixStore/FetchArtifact',
             vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactRequest.SerializeToString,
             vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenPutArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vericache.v1.PrefixStore/OpenPutArtifact',
+            vericache_dot_v1_dot_prefix__store__pb2.ArtifactId.SerializeToString,
+            vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFetchArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/vericache.v1.PrefixStore/OpenFetchArtifact',
+            vericache_dot_v1_dot_prefix__store__pb2.FetchArtifactRequest.SerializeToString,
+            vericache_dot_v1_dot_prefix__store__pb2.TransferTicket.FromString,
             options,
             channel_credentials,
             insecure,
