@@ -285,24 +285,25 @@ class AsyncStoreClient:
             puts = (outcome(self._put_artifact(s, ident, data)) for s in owners)
             return self.core.artifact_stored(list(await asyncio.gather(*puts)))
         declared = declared_id(ident, data)
-        opened = await asyncio.gather(
-            *(outcome(self._open_put_artifact(s, declared)) for s in owners)
-        )
-        granted = [
-            (s, o.ticket)
-            for s, o in zip(owners, opened, strict=True)
-            if not isinstance(o, BaseException)
-        ]
-        refusal = self.core.artifact_refusal(list(opened))
-        if refusal is not None:
-            for shard_id, ticket in granted:
+        opening = asyncio.gather(*(outcome(self._open_put_artifact(s, declared)) for s in owners))
+        unsent: dict[str, bytes] = {}
+        try:
+            opened = await opening
+            unsent.update(
+                (s, o.ticket) for s, o in zip(owners, opened, strict=True)
+                if not isinstance(o, BaseException)
+            )  # fmt: skip
+            refusal = self.core.artifact_refusal(list(opened))
+            if refusal is not None:
+                raise refusal
+            deadline, send = self.core.deadlines.stream, self._conn.send_artifact
+            sends = [
+                outcome(asyncio.to_thread(send, lanes[s], unsent.pop(s), data, deadline))
+                for s in list(unsent)
+            ]
+        finally:
+            for shard_id, ticket in unsent.items():  # refused, cancelled, or an error
                 await asyncio.to_thread(self._conn.abandon, lanes[shard_id], ticket)
-            raise refusal
-        deadline = self.core.deadlines.stream
-        sends = (
-            outcome(asyncio.to_thread(self._conn.send_artifact, lanes[s], ticket, data, deadline))
-            for s, ticket in granted
-        )
         failed = [o for o in opened if isinstance(o, BaseException)]
         return self.core.artifact_stored(failed + list(await asyncio.gather(*sends)))
 

@@ -516,7 +516,7 @@ class ClientCore:
     def artifact_refusal(outcomes: list) -> BaseException | None:
         """What refuses a two-phase put_artifact before any byte moves (outcomes: each
         owner's ticket or error): any error but UNAVAILABLE, or UNAVAILABLE from every
-        owner. The owners that granted a ticket then give it back, so none keeps a copy."""
+        owner. The owners that granted a ticket then give it back, so none stores it."""
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         fatal = [e for e in errors if not isinstance(e, Unavailable)]
         if fatal or len(errors) == len(outcomes):
@@ -543,8 +543,9 @@ class ClientCore:
 
 class ArtifactSearch:
     """fetch_artifact's walk over an artifact's owners, healthy first, until one yields a
-    copy: a miss, a corrupt copy or an unreachable owner moves on to the next; any other
-    error is raised; a copy whose signature `verifier` rejects is passed over."""
+    copy: a miss, a corrupt copy, an unreachable owner or one whose data plane is at its
+    bounds (LimitExceeded) moves on to the next; any other error is raised; a copy whose
+    signature `verifier` rejects is passed over."""
 
     def __init__(
         self, core: ClientCore, prefix: CachedPrefix, spec: str, verifier: Verifier | None
@@ -567,7 +568,7 @@ class ArtifactSearch:
             if isinstance(outcome, StoreError):
                 raise outcome
             data = outcome.data()
-        except (NotFound, DataLoss, Unavailable) as error:
+        except (NotFound, DataLoss, Unavailable, LimitExceeded) as error:
             log.info("fetch_artifact: %s failed (%s); trying the next owner", shard_id, error)
             return
         if self.verifier is None or self.verifier.verify(
@@ -601,7 +602,7 @@ class ArtifactProbe:
 
     def take(self, shard_id: str, outcome: bool | StoreError) -> None:
         """What probing `shard_id` gave: whether it streamed a message, or its error."""
-        if isinstance(outcome, NotFound | DataLoss | Unavailable):
+        if isinstance(outcome, NotFound | DataLoss | Unavailable | LimitExceeded):
             log.info("has_artifact: %s: %s", shard_id, outcome)
         elif isinstance(outcome, StoreError):
             raise outcome

@@ -343,9 +343,10 @@ class StoreClient:
         `signer` when given); returns the bytes stored. Fails when no owner took it.
 
         Over the data plane (every owner has one) a put has two phases: every owner first
-        grants a ticket, which holds the bytes against its quota and room; one refusing
-        (other than UNAVAILABLE) refuses the put before any byte moves, and the others'
-        tickets are given back, so no copy is stored or charged anywhere."""
+        grants a ticket (quota and room checked, the bytes held against its quota); one
+        refusing (other than UNAVAILABLE) refuses the put before any byte moves, and the
+        others' tickets are given back, so none stores it. An owner refusing after the
+        bytes moved (room taken meanwhile, a signed copy held) leaves the others' copies."""
         self._fresh()
         ident = self.core.artifact_id(prefix, spec, data, signer)
         owners = self.core.artifact_owners(prefix, spec)
@@ -355,19 +356,26 @@ class StoreClient:
             return self.core.artifact_stored([outcome(job.result) for job in jobs])
         declared = declared_id(ident, data)
         opens = [(s, self._pool.submit(self._open_put_artifact, s, declared)) for s in owners]
-        opened = [(s, outcome(job.result)) for s, job in opens]
-        granted = [(s, o.ticket) for s, o in opened if not isinstance(o, BaseException)]
-        refusal = self.core.artifact_refusal([o for _, o in opened])
-        if refusal is not None:
-            for shard_id, ticket in granted:
+        unsent: dict[str, bytes] = {}
+        try:
+            opened = []
+            for shard_id, job in opens:
+                opened.append(outcome(job.result))
+                if not isinstance(opened[-1], BaseException):
+                    unsent[shard_id] = opened[-1].ticket
+            refusal = self.core.artifact_refusal(opened)
+            if refusal is not None:
+                raise refusal
+            deadline = self.core.deadlines.stream
+            send = self._conn.send_artifact
+            sends = [
+                self._pool.submit(send, lanes[s], unsent.pop(s), data, deadline)
+                for s in list(unsent)
+            ]
+        finally:
+            for shard_id, ticket in unsent.items():  # refused, or an error before sending
                 self._conn.abandon(lanes[shard_id], ticket)
-            raise refusal
-        deadline = self.core.deadlines.stream
-        sends = [
-            self._pool.submit(self._conn.send_artifact, lanes[s], ticket, data, deadline)
-            for s, ticket in granted
-        ]
-        failed = [o for _, o in opened if isinstance(o, BaseException)]
+        failed = [o for o in opened if isinstance(o, BaseException)]
         return self.core.artifact_stored(failed + [outcome(job.result) for job in sends])
 
     def _open_put_artifact(self, shard_id: str, declared: pb.ArtifactId) -> pb.TransferTicket:

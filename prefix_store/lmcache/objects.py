@@ -59,8 +59,9 @@ class Envelope:
     @classmethod
     def buffer(cls, key: str, meta: ObjectMeta, length: int) -> tuple[memoryview, memoryview]:
         """The whole stored object's final buffer, its envelope written; and the view of it
-        the payload is read into (`length` bytes, not written yet: its pages are backed
-        only as its bytes land, so memory grows with what arrived, not with `length`)."""
+        the payload is read into (`length` bytes, not written yet: the allocator maps it
+        without touching it, so its pages, 4 KiB or 2 MiB huge ones, are backed only as its
+        bytes land, and memory grows with what arrived, not with `length`)."""
         head = cls.head(key, meta, length)
         buffer = memoryview(np.empty(len(head) + length, dtype=np.uint8))
         buffer[: len(head)] = head

@@ -9,7 +9,7 @@ order) that head's rows [tokens, head_dim]. So a run of consecutive chunks is on
 contiguous region per head on both sides. The client checks every chunk's CRC over its
 bytes in stored order (K heads then V heads) before it uses the layer, so corruption in
 transit is caught end to end. Put frames are the same without the CRCs (magic b"VCL1": the
-commit carries each chunk's checksum). Every segment of a layer passes its checksum
+commit carries each chunk's checksum). Every segment of a chunk layer passes its checksum
 on the shard before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
 "STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
 connection closes.
@@ -18,8 +18,14 @@ Puts go the same way in the other direction (`OpenPut`): the client sends one fr
 layer from its tensors, then a commit frame b"VCCM" carrying each chunk's CRC-32C (u32
 each); the shard answers b"VCOK" with a serialised PutResponse, or b"VCER".
 
-A connection opens with `redemption(ticket, token)`: the ticket `OpenFetch`/`OpenPut`
-returned and HMAC-SHA256(token_key(token), ticket), so only the tenant it was issued to
+An artifact is one such frame of one "chunk" at layer 0, its bytes as stored: a fetch
+(`OpenFetchArtifact`) is b"VCL2" with the stored CRC-32C, the shard checking the bytes
+against it as it sends them, a piece at a time (a failure drops its copy; the client,
+which checks the same CRC, has refused the bytes already); a put (`OpenPutArtifact`) is
+b"VCL1", then b"VCCM" with one CRC-32C, answered as a put of chunks is.
+
+A connection opens with `redemption(ticket, token)`: the ticket an Open* call returned
+and HMAC-SHA256(token_key(token), ticket), so only the tenant it was issued to
 redeems it. With TLS the same frames flow inside the TLS session; TLS has no
 scatter-gather send, so `send_buffers` coalesces segments into records of up to
 TLS_RECORD_BATCH bytes there.

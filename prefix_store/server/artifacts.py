@@ -13,7 +13,7 @@ from prefix_store.metadata.records import Tenant
 from prefix_store.pace import Pace
 from prefix_store.server.requests import layout_of
 from prefix_store.server.service import Service
-from prefix_store.server.transfers import receive_artifact, send_artifact
+from prefix_store.server.transfers import once, receive_artifact, send_artifact
 from prefix_store.shard import Reservation
 from prefix_store.shard.arrival import ArrivalCheck
 from rpc.handler import streaming, unary
@@ -65,7 +65,8 @@ class Artifacts:
     @unary
     def OpenPutArtifact(self, request, call):
         """As PutArtifact, over the data plane: the id declares the size, refused over quota
-        or room before the ticket is issued; the bytes stay reserved until the put ends."""
+        or room before the ticket is issued; the bytes stay reserved against the owner's
+        quota until they have all arrived (or the ticket ends unused)."""
         if self.service.data_plane is None:
             raise InvalidArgument("OpenPutArtifact: this shard has no data plane; use PutArtifact")
         tenant, space = self.service.writer(call, request.namespace)
@@ -92,7 +93,9 @@ class Artifacts:
     def OpenFetchArtifact(self, request, call):
         """As FetchArtifact, over the data plane: the ticket carries the size and the
         signature; its connection one CHECKED frame (the stored CRC-32C, then the bytes,
-        checked against it as they are sent: `send_artifact`)."""
+        read and checked against it as they are sent: `send_artifact`). The artifact is not
+        leased (a put may replace it meanwhile); what the ticket may pin until it is
+        redeemed counts against its tenant's share (`Service.pinned`)."""
         if self.service.data_plane is None:
             raise InvalidArgument(
                 "OpenFetchArtifact: this shard has no data plane; use FetchArtifact"
@@ -103,21 +106,23 @@ class Artifacts:
         read = self.service.shard.open_artifact_read(
             space, layout_of(ident), ident.prefix_key, ident.compressor
         )
-        size = memoryview(read.data).nbytes
+        pinned = self.service.pinned
+        pinned.acquire(tenant.name, read.size, tenant.weight)
+        unpin = once(lambda: pinned.release(tenant.name, read.size))
         try:
             ticket = self.service.data_plane.issue(
                 lambda conn: send_artifact(conn, read),
-                read.close,
+                unpin,
                 peer_host(call.peer()),
-                size,
+                read.size,
                 self.service.owner_key(call),
                 tenant.name,
                 tenant.weight,
             )
         except BaseException:
-            read.close()
+            unpin()
             raise
-        return self._ticket(ticket, size, read.proof.signature)
+        return self._ticket(ticket, read.size, read.proof.signature)
 
     def _ticket(self, ticket: bytes, size: int, signature: bytes = b"") -> pb.TransferTicket:
         return pb.TransferTicket(

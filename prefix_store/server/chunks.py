@@ -5,7 +5,7 @@ A Put stream arrives serialised (`protocol.wire`): its header first, then segmen
 then the commit; nothing of a message is kept while the next one is awaited, and the stream
 keeps to its deadline and minimum rate (`pace`). A data-plane ticket pins what it fetches
 (its chunks leased) until it is redeemed or expires, within its tenant's share of the
-shard's bytes (`leases`).
+shard's bytes (`Service.pinned`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from prefix_store.server.requests import layout_of
 from prefix_store.server.service import Service
 from prefix_store.server.transfers import once, receive_put
 from prefix_store.shard import ChunkRef, Deletable
-from prefix_store.shares import FairShare
 from rpc.handler import streaming, unary
 from rpc.server import client_stream, parse, peer_host
 
@@ -40,12 +39,7 @@ class Chunks:
     def __init__(self, service: Service) -> None:
         self.service = service
         self.gate = service.gate
-        config = service.config
-        self.leases = FairShare(
-            max(1, config.memory_bytes + config.disk_bytes), "bytes of chunks leased by tickets"
-        )
-        """What data-plane tickets pin (their chunks cannot be evicted until redeemed or
-        expired), shared by tenant: one tenant's tickets cannot pin the whole store."""
+        self.leases = service.pinned
 
     @unary
     def Lookup(self, request, call):

@@ -29,6 +29,7 @@ from prefix_store.server.attend import AttendStats, kernel_fingerprint
 from prefix_store.server.requests import REQUESTS, SMALL_REQUEST, SMALL_REQUESTS, STREAMS
 from prefix_store.shard import Shard
 from prefix_store.shard_metrics import ShardMetrics
+from prefix_store.shares import FairShare
 from rpc.handler import Call, Gate
 from rpc.limits import CallLimits, IdleStreams
 from rpc.server import parse
@@ -57,6 +58,13 @@ class Service:
         self.idle = IdleStreams(config.calls.stream_idle_s)
         self.pacer = Pacer()
         """Cuts put streams past their deadline or below their minimum rate (`pace`)."""
+        self.pinned = FairShare(
+            max(1, config.memory_bytes + config.disk_bytes),
+            "bytes pinned by data-plane fetch tickets",
+        )
+        """What data-plane fetch tickets pin until redeemed or expired (chunks they lease,
+        artifacts whose bytes they hold), shared by tenant: one tenant's tickets cannot pin
+        the whole store."""
         self.kernel = kernel_fingerprint(config.attention)
         """The attention kernel this shard serves Attend with ("" = none)."""
         self.attend_stats = AttendStats()

@@ -14,7 +14,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store import faults
 from prefix_store.blob import crc32c
-from prefix_store.errors import InvalidArgument
+from prefix_store.errors import InvalidArgument, Unavailable
 from prefix_store.pace import Pace, PutBounds
 from prefix_store.protocol.frames import (
     CHECKED,
@@ -127,7 +127,9 @@ def send_artifact(conn, read) -> None:
     (`shard.artifacts.ArtifactRead`). The stored bytes are never trusted unchecked: the
     client checks the same CRC-32C before it uses any byte, and a mismatch found here drops
     the artifact (`DataLoss`, so a later read is a miss or another replica's)."""
-    data = memoryview(read.data).cast("B")
+    data = memoryview(read.data()).cast("B")
+    if data.nbytes != read.size:
+        raise Unavailable("the artifact was replaced while its ticket waited; ask again")
     conn.sendall(HEADER.pack(CHECKED, 0, 1, data.nbytes) + pack_crcs([read.crc]))
     crc = 0
     for start in range(0, data.nbytes, ARTIFACT_PIECE):

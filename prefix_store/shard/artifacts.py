@@ -23,28 +23,22 @@ from prefix_store.shard.usage import QuotaCheck, check_quota
 
 
 class ArtifactRead:
-    """A leased artifact being sent, checked as it goes: `data` as read from its tier (not
-    checked yet), its stored CRC-32C and provenance; `check(crc)` with the CRC-32C of the
-    bytes sent (`DataLoss`, the artifact dropped, when it differs); `close` releases the
-    lease (idempotent)."""
+    """An artifact to be sent over the data plane, not leased (a put may replace it and
+    eviction move it meanwhile, never waiting for a reader): its stored CRC-32C, size and
+    provenance now; `data()` reads it from its tier when the transfer runs (`Unavailable`
+    when it was replaced or evicted since), and `check(crc)`, with the CRC-32C of the bytes
+    sent, fails with `DataLoss` when they differ, dropping it if it is still the one
+    stored."""
 
     def __init__(self, reader: Reader, blob: Blob) -> None:
         self.reader, self.blob = reader, blob
-        self.crc, self.proof = blob.crcs[0], proof_of(blob)
-        self._closed = False
-        try:
-            self.data = reader.stored(blob, 0)
-        except BaseException:
-            self.close()
-            raise
+        self.crc, self.proof, self.size = blob.crcs[0], proof_of(blob), blob.nbytes
+
+    def data(self) -> bytes | memoryview:
+        return self.reader.stored(self.blob, 0)
 
     def check(self, crc: int) -> None:
         self.reader.check(self.blob, 0, crc)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.reader.release([self.blob.id])
 
 
 class Artifacts:
@@ -124,9 +118,9 @@ class Artifacts:
     def open_read(
         self, namespace: Namespace, layout: KVLayout, prefix_key: int, spec: str
     ) -> ArtifactRead:
-        """The artifact leased for a transfer that checks it as it sends it (NotFound: not
-        here)."""
-        blob = self.reader.lease(artifact_id(namespace, layout, prefix_key, spec))
+        """The artifact, for a transfer that reads and checks it as it sends it (NotFound:
+        not here)."""
+        blob = self.reader.current(artifact_id(namespace, layout, prefix_key, spec))
         if blob is None:
             raise NotFound(f"artifact {spec!r} of prefix {prefix_key:016x} is not stored here")
         return ArtifactRead(self.reader, blob)

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prefix_store.blob import Blob, BlobId, crc32c
-from prefix_store.errors import DataLoss, InvalidArgument, NotFound
+from prefix_store.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from prefix_store.layout import KVLayout
 from prefix_store.namespace import Namespace
 from prefix_store.shard.blobs import chunk_id, proof_of
@@ -24,7 +24,7 @@ class ChunkRef:
     key: int
     tokens: int
     digest: bytes = b""
-    """When set, only a chunk whose stored bytes have this SHA-256 may be served."""
+    """When set, only a chunk whose stored bytes have this digest may be served."""
 
 
 class Reader:
@@ -65,6 +65,13 @@ class Reader:
             self.holdings.leases.take(blob.id for blob in blobs)
             return blobs
 
+    def current(self, blob_id: BlobId) -> Blob | None:
+        """The blob now stored under `blob_id`, now the most recently used, not leased (a
+        put may replace it, eviction move it: read it with `stored`, which tells); None:
+        not held."""
+        with self.holdings.lock:
+            return self.holdings.read_live(blob_id)
+
     def lease(self, blob_id: BlobId) -> Blob | None:
         """The blob, leased (`release` it), now the most recently used; None: not held."""
         with self.holdings.lock:
@@ -84,14 +91,20 @@ class Reader:
         return data
 
     def stored(self, blob: Blob, index: int) -> bytes:
-        """One segment of a leased blob, from whichever tier holds it, not checked yet: the
-        caller `check`s the CRC-32C it computes over it before trusting it (`DataLoss` when
-        it cannot be read: the blob is dropped)."""
+        """One segment of a blob (leased, or `current` when it was looked up), from
+        whichever tier holds it, not checked yet: the caller `check`s the CRC-32C it
+        computes over it before trusting it. `DataLoss` when it cannot be read (the blob is
+        dropped); `Unavailable` when an unleased blob was replaced or evicted meanwhile (a
+        new read finds what is stored now)."""
         if blob.data is not None:
             return blob.segment(index)
         try:
             return self.holdings.placement.disk.read_segment(blob.id, index)
         except (OSError, KeyError) as error:
+            if not self._is_stored(blob):
+                raise Unavailable(
+                    f"{blob.kind} {blob.id[2]:016x} was replaced or evicted while it was read"
+                ) from error
             self._corrupt(blob, f"segment {index} unreadable: {error}")
 
     def check(self, blob: Blob, index: int, crc: int) -> None:
@@ -100,7 +113,15 @@ class Reader:
         if crc != blob.crcs[index]:
             self._corrupt(blob, f"segment {index}")
 
+    def _is_stored(self, blob: Blob) -> bool:
+        """Whether `blob` is still the one stored under its id (not replaced or removed)."""
+        with self.holdings.lock:
+            found = self.holdings.placement.find(blob.id)
+        return found is not None and found.crcs == blob.crcs and found.owner == blob.owner
+
     def _corrupt(self, blob: Blob, where: str) -> None:
+        """Drop `blob` (when it is still the one stored: an unleased read may have seen one
+        replaced since) and fail the read with DataLoss."""
         log.error(
             "shard %s: blob %s failed its checksum at %s; dropped",
             self.holdings.shard_id,
@@ -108,8 +129,10 @@ class Reader:
             where,
         )
         with self.holdings.mutating():
-            self.holdings.stats.corrupt += 1
-            self.holdings.condemn(blob.id)
+            found = self.holdings.placement.find(blob.id)
+            if found is not None and found.crcs == blob.crcs:
+                self.holdings.stats.corrupt += 1
+                self.holdings.condemn(blob.id)
         raise DataLoss(
             f"chunk {blob.id[2]:016x}: stored bytes failed their checksum ({where}); "
             "dropped, read it from a replica"

@@ -17,7 +17,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from prefix_store.blob import crc32c
-from prefix_store.client.transfer import host_port
+from prefix_store.client.transfer import host_port, receive_artifact
 from prefix_store.config import DataPlaneLimits
 from prefix_store.errors import StoreError
 from prefix_store.metrics import MetricsConfig, scrape
@@ -200,3 +200,48 @@ def test_a_copy_corrupt_at_rest_is_never_returned_and_is_dropped(store, shards, 
         assert client.fetch_artifact(prefix, SPEC) == expected
     assert all(s.shard.memory.get(blob_id) is None for s in bad)
     assert sum(s.shard.stats.corrupt for s in shards) == corrupt
+
+
+def open_fetch(server, token: str, prefix_key: int) -> pb.TransferTicket:
+    stub = pb_grpc.PrefixStoreStub(grpc.insecure_channel(server.address))
+    ident = pb.ArtifactId(
+        namespace="", layout=LAYOUT.to_proto(pb), prefix_key=prefix_key, compressor=SPEC
+    )
+    request = pb.FetchArtifactRequest(id=ident)
+    return stub.OpenFetchArtifact(request, metadata=(("authorization", f"Bearer {token}"),))
+
+
+def test_a_waiting_fetch_ticket_does_not_block_a_replacement(store, metadata):
+    """A fetch ticket holds no lease: a put replacing the artifact meanwhile is stored, and
+    the ticket, redeemed after it, still gets the bytes it was issued for, whole and
+    checked."""
+    server = store.start()
+    token = metadata.add_tenant("alice")
+    with store.client(token) as client:
+        prefix = client.publish_prefix(TOKENS, random_kv(LAYOUT, 40), LAYOUT).prefix
+        client.put_artifact(prefix, SPEC, DATA)
+        ticket = open_fetch(server, token, prefix.key)
+        assert ticket.total_bytes == len(DATA)
+        new = DATA[::-1]
+        assert client.put_artifact(prefix, SPEC, new) == len(new)
+        redeem = redemption(ticket.ticket, token)
+        old = receive_artifact(ticket.data_address, redeem, ticket.total_bytes, 10.0)
+        assert old == DATA
+        assert client.fetch_artifact(prefix, SPEC) == new
+
+
+def test_fetch_tickets_pin_at_most_their_tenants_share(store, metadata):
+    """Tickets not redeemed hold the artifact's bytes against their tenant's share of the
+    shard's pinned bytes: past it, RESOURCE_EXHAUSTED naming the share."""
+    server = store.start(memory_bytes=8 * len(DATA), disk_bytes=0)
+    token = metadata.add_tenant("alice")
+    with store.client(token) as client:
+        prefix = client.publish_prefix(TOKENS, random_kv(LAYOUT, 40), LAYOUT).prefix
+        client.put_artifact(prefix, SPEC, DATA)
+    tickets = []
+    with pytest.raises(grpc.RpcError) as refused:
+        for _ in range(16):
+            tickets.append(open_fetch(server, token, prefix.key))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pinned by data-plane fetch tickets" in refused.value.details()
+    assert 1 <= len(tickets) < 8

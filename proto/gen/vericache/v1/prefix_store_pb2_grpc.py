@@ -154,9 +154,10 @@ class PrefixStoreServicer(object):
 
     def OpenPutArtifact(self, request, context):
         """The artifact methods over the data plane: the id declares the size (refused over quota
-        or room before a ticket is issued; the bytes stay reserved until the put ends), then the
-        ticket's connection carries one OK frame (layer 0, 1 chunk, the size) with the bytes and
-        the COMMIT frame with their CRC-32C, answered by DONE and the PutResponse.
+        or room before a ticket is issued; the bytes stay reserved against the quota until they
+        have arrived), then the ticket's connection carries one OK frame (layer 0, 1 chunk, the
+        size) with the bytes and the COMMIT frame with their CRC-32C, answered by DONE and the
+        PutResponse.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,7 +165,9 @@ class PrefixStoreServicer(object):
 
     def OpenFetchArtifact(self, request, context):
         """The ticket's connection carries one CHECKED frame (layer 0, 1 chunk): the stored
-        CRC-32C, then the bytes. The ticket carries the size and the signature.
+        CRC-32C, then the bytes, which the shard checks against it as it sends them (a copy
+        that fails is dropped; the client checks the same CRC before it uses any byte). The
+        ticket carries the size and the signature; it does not lease the artifact.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
