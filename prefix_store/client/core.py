@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from vericache.v1 import prefix_store_pb2 as pb
 
+from prefix_store.client.arriving import Arriving
 from prefix_store.client.membership import Membership, Quarantine
 from prefix_store.client.plan import (
     ArtifactReceipt,
@@ -496,9 +497,13 @@ class ClientCore:
     def artifact_id(
         self, prefix: CachedPrefix, spec: str, data: bytes, signer: Signer | None
     ) -> pb.ArtifactId:
-        """The id a put_artifact sends, signed by `signer` when given."""
+        """The id a put_artifact sends, signed by `signer` when given (over all the bytes:
+        an `Arriving` buffer is waited for first)."""
         signature = b""
         if signer is not None:
+            if isinstance(data, Arriving):
+                data.wait(data.nbytes)
+                data = data.buffer
             signature = signer.sign(artifact_statement_of(prefix, spec, data))
         return artifact_id(prefix, spec, signature)
 

@@ -14,6 +14,7 @@ import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.blob import crc32c
+from prefix_store.client.arriving import nbytes, pieces
 from prefix_store.errors import (
     Aborted,
     CorruptInTransit,
@@ -626,18 +627,19 @@ def declared_id(ident: pb.ArtifactId, data) -> pb.ArtifactId:
     first)."""
     declared = pb.ArtifactId()
     declared.CopyFrom(ident)
-    declared.size = memoryview(data).nbytes
+    declared.size = nbytes(data)
     return declared
 
 
 def artifact_messages(ident: pb.ArtifactId, data: bytes, step: int) -> Iterator:
-    """PutArtifact's stream: the id (declaring the size), the data in `step`-byte messages,
-    the checksum."""
-    view = memoryview(data).cast("B")
-    yield pb.PutArtifactRequest(id=declared_id(ident, view))
-    for start in range(0, view.nbytes, step):
-        yield pb.PutArtifactRequest(data=bytes(view[start : start + step]))
-    yield pb.PutArtifactRequest(crc32c=crc32c(view))
+    """PutArtifact's stream: the id (declaring the size), the data in `step`-byte messages
+    (from an `Arriving` buffer as its bytes come), the checksum."""
+    yield pb.PutArtifactRequest(id=declared_id(ident, data))
+    crc = 0
+    for _, piece in pieces(data, step):
+        crc = crc32c(piece, crc)
+        yield pb.PutArtifactRequest(data=bytes(piece))
+    yield pb.PutArtifactRequest(crc32c=crc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -341,6 +341,8 @@ class StoreClient:
     ) -> int:
         """Store a compressed artifact of a cached prefix on all its owners (signed with
         `signer` when given); returns the bytes stored. Fails when no owner took it.
+        `data`: bytes-like, or an `Arriving` buffer still being filled (sent a piece at a
+        time as its bytes come).
 
         Over the data plane (every owner has one) a put has two phases: every owner first
         grants a ticket (quota and room checked, the bytes held against its quota); one

@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.blob import crc32c
+from prefix_store.client.arriving import nbytes, pieces
 from prefix_store.client.plan import Assembly, ChunkPlan, chunk_crcs, wire_views
 from prefix_store.errors import CorruptInTransit, LimitExceeded, StoreError, Unavailable
 from prefix_store.layout import KVLayout
@@ -201,16 +202,14 @@ def send_artifact(
     address: str, ticket: bytes, data, timeout_s: float, tls: ssl.SSLContext | None = None
 ) -> pb.PutResponse:
     """Redeem an OpenPutArtifact ticket: the bytes as one frame (from `data`, no copies
-    without TLS), the commit with their CRC-32C, then the shard's PutResponse or its typed
-    error. `tls`: see `connect`."""
-    view = memoryview(data).cast("B")
+    without TLS; an `Arriving` buffer a piece at a time as they come), the commit with
+    their CRC-32C, then the shard's PutResponse or its typed error. `tls`: see `connect`."""
     crc = 0
     try:
         with connect(address, timeout_s, tls) as sock:
             sock.sendall(ticket)
-            sock.sendall(HEADER.pack(OK, 0, 1, view.nbytes))
-            for start in range(0, view.nbytes, ARTIFACT_PIECE):
-                piece = view[start : start + ARTIFACT_PIECE]
+            sock.sendall(HEADER.pack(OK, 0, 1, nbytes(data)))
+            for _, piece in pieces(data, ARTIFACT_PIECE):
                 crc = crc32c(piece, crc)
                 sock.sendall(piece)
             sock.sendall(HEADER.pack(COMMIT, 0, 1, 4) + struct.pack("<I", crc))

@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from prefix_store.client import StoreClient
 from prefix_store.errors import NotFound, StoreError, Unauthenticated
@@ -51,6 +52,8 @@ class LMCacheGateway:
         self._sessions: dict[socket.socket, tuple[threading.Thread, Session]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._storing = ThreadPoolExecutor(config.max_connections, "lmcache-gateway-store")
+        """Stores each PUT while its session receives it (one at a time per connection)."""
         self._uids = frozenset((os.getuid(), *config.allowed_uids))
         """Users whose processes may connect."""
         self.metrics, self.metrics_url = metrics_endpoint(registry(self), config.metrics,
@@ -99,6 +102,7 @@ class LMCacheGateway:
         for sock, (thread, _) in sessions.items():
             shut(sock)
             thread.join()
+        self._storing.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
         if self.metrics is not None:
@@ -170,6 +174,7 @@ class LMCacheGateway:
             config.max_object_bytes,
             config.io_timeout_s,
             config.idle_timeout_s,
+            self._storing,
         )
 
     def _serve(self, sock: socket.socket, session: Session) -> None:

@@ -93,10 +93,10 @@ class ObjectStore:
 
     def put(self, key: str, stored) -> int:
         """Store an object (its envelope and payload, from `Envelope.buffer`: a buffer the
-        data plane sends from as it is), replacing one under the same key; returns the
-        bytes stored (replicas included). Refused whole (QuotaExceeded, StoreFull, ...)
-        before the old object is touched: over the data plane, by every owner before any
-        byte moves (`StoreClient.put_artifact`)."""
+        data plane sends from as it is, or an `Arriving` one still being filled), replacing
+        one under the same key; returns the bytes stored (replicas included). Refused whole
+        (QuotaExceeded, StoreFull, ...) before the old object is touched: over the data
+        plane, by every owner before any byte moves (`StoreClient.put_artifact`)."""
         return self.client.put_artifact(self._prefix(key), SPEC_PREFIX + key, stored)
 
     def get(self, key: str) -> tuple[ObjectMeta, memoryview] | None:

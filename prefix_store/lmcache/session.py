@@ -14,7 +14,9 @@ import logging
 import socket
 import threading
 from collections import Counter
+from concurrent.futures import Executor
 
+from prefix_store.client.arriving import Arriving
 from prefix_store.errors import StoreError
 from prefix_store.lmcache.errors import ProtocolError
 from prefix_store.lmcache.objects import Envelope, ObjectStore
@@ -60,8 +62,11 @@ class Session:
         max_object_bytes: int,
         io_timeout_s: float,
         idle_timeout_s: float,
+        storing: Executor,
     ) -> None:
+        """`storing`: where a PUT is stored from while this session receives it."""
         self.sock, self.objects, self.stats = sock, objects, stats
+        self.storing = storing
         self.max_object_bytes = max_object_bytes
         self.io_timeout_s, self.idle_timeout_s = io_timeout_s, idle_timeout_s
         self.busy = False
@@ -100,11 +105,24 @@ class Session:
 
     def put(self, header: ClientHeader) -> None:
         """The payload straight into the stored object's final buffer (its length already
-        checked against `max_object_bytes`), then stored from that buffer."""
+        checked against `max_object_bytes`), stored from that buffer while it arrives: the
+        store sends each piece on as soon as it is in (`Arriving`), on a thread of the
+        gateway's `storing` pool. A payload that stops short stores nothing."""
         stored, payload = Envelope.buffer(header.key, header.meta, header.length)
-        self._read_into(payload)
+        head = stored.nbytes - payload.nbytes
+        arriving = Arriving(stored, filled=head)
+        storing = self.storing.submit(self._store, header, arriving)
         try:
-            self.objects.put(header.key, stored)
+            self._read_into(payload, progress=lambda got: arriving.arrived(head + got))
+        except BaseException as error:
+            arriving.failed(error)
+            raise
+        finally:
+            storing.result()
+
+    def _store(self, header: ClientHeader, arriving: Arriving) -> None:
+        try:
+            self.objects.put(header.key, arriving)
             self.stats.count("puts")
             self.stats.count("bytes_in", header.length)
         except StoreError as error:
@@ -144,8 +162,9 @@ class Session:
 
     # ---- socket I/O -------------------------------------------------------------------
 
-    def _read_into(self, view: memoryview, first: bool = False) -> bool:
-        """Fill `view`; False if the peer closed before its first byte when `first`."""
+    def _read_into(self, view: memoryview, first: bool = False, progress=None) -> bool:
+        """Fill `view`; False if the peer closed before its first byte when `first`.
+        `progress(got)` is told the bytes in so far after each read."""
         got = 0
         self.sock.settimeout(self.idle_timeout_s if first else self.io_timeout_s)
         while got < len(view):
@@ -158,6 +177,8 @@ class Session:
                 self.busy = True
                 self.sock.settimeout(self.io_timeout_s)
             got += n
+            if progress is not None:
+                progress(got)
         return True
 
     def _send(self, head: bytes, payload: memoryview | None = None) -> None:

@@ -409,3 +409,21 @@ def test_a_put_declaring_a_large_payload_holds_only_what_arrived(store, metadata
         grown = resident_bytes() - before
     assert eventually(lambda: gateway.connections() == held)  # our close ended it
     assert grown < 32 << 20, grown
+
+
+def test_a_put_cut_short_while_it_is_forwarded_stores_nothing(store, metadata, gateway_for):
+    """A PUT is sent on to the shards while it arrives: one whose payload stops short ends
+    those transfers, and nothing of it is stored, charged or left pinned."""
+    server = store.start()
+    gateway, lmc = gateway_for(metadata.add_tenant("alice"))
+    assert not lmc.exists(key(1))
+    host, port = gateway.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(client_header(Command.PUT, "m@1@0@9@float32", length=3 << 20))
+        sock.sendall(b"x" * (1 << 20))
+        assert eventually(lambda: server.data_plane.load()[1] == 1)  # forwarding already
+    assert eventually(lambda: gateway.stats.snapshot().get("put_refused:Aborted") == 1)
+    assert eventually(lambda: server.data_plane.load() == (0, 0))
+    assert server.shard.counts()["artifacts"] == 0
+    assert server.shard.usage().get("alice", 0) == 0
+    assert not lmc.exists(key(9))
