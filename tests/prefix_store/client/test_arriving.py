@@ -1,0 +1,48 @@
+"""`Arriving`: a buffer another thread fills, read a piece at a time as each is in."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from prefix_store.client.arriving import Arriving, nbytes, pieces
+from prefix_store.errors import Aborted
+
+
+def test_pieces_come_as_the_bytes_arrive_and_equal_them():
+    data = bytes(range(256)) * 40  # 10240 bytes
+    buffer = bytearray(len(data))
+    arriving = Arriving(buffer)
+    seen: list[tuple[int, int]] = []  # (piece start, bytes filled when it was handed out)
+    filled = [0]
+
+    def produce() -> None:
+        for start in range(0, len(data), 1000):
+            time.sleep(0.002)
+            buffer[start : start + 1000] = data[start : start + 1000]
+            filled[0] = min(len(data), start + 1000)
+            arriving.arrived(filled[0])
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    got = b""
+    for start, piece in pieces(arriving, 4096):
+        seen.append((start, filled[0]))
+        got += bytes(piece)
+    producer.join()
+    assert got == data and nbytes(arriving) == len(data)
+    assert all(at >= min(start + 4096, len(data)) for start, at in seen)
+    assert seen[0][1] < len(data)  # the first piece went out before the last byte came
+
+
+def test_a_filling_that_fails_aborts_the_readers():
+    arriving = Arriving(bytearray(100), filled=10)
+    arriving.failed(ConnectionError("the peer left"))
+    with pytest.raises(Aborted, match="stopped arriving: the peer left"):
+        list(pieces(arriving, 50))
+
+
+def test_plain_bytes_are_pieces_at_once():
+    assert [bytes(p) for _, p in pieces(b"abcdefg", 3)] == [b"abc", b"def", b"g"]
