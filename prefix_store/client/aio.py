@@ -27,7 +27,7 @@ from prefix_store.client.plan import (
     artifact_messages,
     declared_id,
 )
-from prefix_store.client.retry import Attempts, retrying_async
+from prefix_store.client.retry import Attempts, retrying_async, stopping
 from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
 from prefix_store.errors import StoreError, Unavailable
@@ -310,7 +310,13 @@ class AsyncStoreClient:
     async def _open_put_artifact(self, shard_id: str, declared: pb.ArtifactId) -> pb.TransferTicket:
         async def call(target: str) -> pb.TransferTicket:
             address, idle = self.core.address(target), self.core.deadlines.idle
-            return await self._conn.call(address, "OpenPutArtifact", declared, idle)
+            try:
+                return await self._conn.call(address, "OpenPutArtifact", declared, idle)
+            except grpc.RpcError as error:  # a shard stopping meanwhile: the others store it
+                gone = stopping(error, target, "OpenPutArtifact")
+                if gone is None:
+                    raise
+                raise gone from error
 
         return await retrying_async(self.core.attempts([shard_id]), call)
 

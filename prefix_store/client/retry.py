@@ -33,6 +33,14 @@ def rpc_error(error: grpc.RpcError) -> StoreError:
     return error_of(error.code(), error.details() or str(error.code()))
 
 
+def stopping(error: grpc.RpcError, target: str, method: str) -> Unavailable | None:
+    """UNAVAILABLE for a call its shard cancelled (it is stopping: as for a shard that is
+    down, the caller tries again or elsewhere); None for any other failure."""
+    if error.code() != grpc.StatusCode.CANCELLED:
+        return None
+    return Unavailable(f"{target} cancelled {method} (it is stopping)")
+
+
 def retryable(error: grpc.RpcError | Unavailable) -> StoreError:
     """The error as a typed one if retrying may help; raises it at once otherwise."""
     if isinstance(error, Unavailable):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 
+import grpc
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client.channels import Connections
@@ -35,7 +36,7 @@ from prefix_store.client.plan import (
     artifact_messages,
     declared_id,
 )
-from prefix_store.client.retry import Attempts, retrying
+from prefix_store.client.retry import Attempts, retrying, stopping
 from prefix_store.client.transfer import Cancels, receive
 from prefix_store.config import ClientConfig
 from prefix_store.errors import StoreError
@@ -383,7 +384,13 @@ class StoreClient:
     def _open_put_artifact(self, shard_id: str, declared: pb.ArtifactId) -> pb.TransferTicket:
         def call(target: str) -> pb.TransferTicket:
             address, idle = self.core.address(target), self.core.deadlines.idle
-            return self._conn.call(address, "OpenPutArtifact", declared, idle)
+            try:
+                return self._conn.call(address, "OpenPutArtifact", declared, idle)
+            except grpc.RpcError as error:  # a shard stopping meanwhile: the others store it
+                gone = stopping(error, target, "OpenPutArtifact")
+                if gone is None:
+                    raise
+                raise gone from error
 
         return retrying(self.core.attempts([shard_id]), call)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -245,3 +246,29 @@ def test_fetch_tickets_pin_at_most_their_tenants_share(store, metadata):
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "pinned by data-plane fetch tickets" in refused.value.details()
     assert 1 <= len(tickets) < 8
+
+
+def test_an_owner_stopping_during_a_put_leaves_the_artifact_on_the_others(store, metadata):
+    """shard-1 is stopped while it grants its ticket, so the bytes meet a stopped shard;
+    shard-0 still stores the artifact: a shard going away mid-put is UNAVAILABLE there, not
+    a refusal of the put."""
+    import threading
+
+    survivor = store.start("shard-0")
+    stopping = store.start("shard-1")
+    token = metadata.add_tenant("alice")
+    with store.client(token, retries=1) as client:
+        prefix = client.publish_prefix(TOKENS, random_kv(LAYOUT, 40), LAYOUT).prefix
+        outcome: list = []
+        with stopping.shard.holdings.lock:  # shard-1's OpenPutArtifact waits inside it
+            putting = threading.Thread(
+                target=lambda: outcome.append(client.put_artifact(prefix, SPEC, DATA))
+            )
+            putting.start()
+            time.sleep(1.0)
+            threading.Thread(target=store.stop, args=("shard-1", 0)).start()
+            time.sleep(0.5)
+        putting.join(30)
+        assert outcome == [len(DATA)]
+        assert survivor.shard.counts()["artifacts"] == 1
+        assert client.fetch_artifact(prefix, SPEC) == DATA
