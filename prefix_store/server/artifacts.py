@@ -5,6 +5,8 @@ same over the data plane (a ticket; the bytes move as one frame, no gRPC message
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from vericache.v1 import prefix_store_pb2 as pb
 
@@ -17,7 +19,7 @@ from prefix_store.server.transfers import once, receive_artifact, send_artifact
 from prefix_store.shard import Reservation
 from prefix_store.shard.arrival import ArrivalCheck
 from rpc.handler import streaming, unary
-from rpc.server import client_stream, peer_host
+from rpc.server import client_stream
 
 MAX_SPEC = 256
 
@@ -73,21 +75,11 @@ class Artifacts:
         self.service.config.layouts.check(layout_of(request), "id.layout")
         self._check_spec(request.compressor)
         held = self._admit_artifact(request.size, tenant)
-        store = lambda data, check: self._store(request, space, tenant, data, check)  # noqa: E731
-        try:
-            ticket = self.service.data_plane.issue(
-                lambda conn: receive_artifact(conn, held, self.service.config.puts, store),
-                held.release,
-                peer_host(call.peer()),
-                request.size,
-                self.service.owner_key(call),
-                tenant.name,
-                tenant.weight,
-            )
-        except BaseException:
-            held.release()
-            raise
-        return self._ticket(ticket, request.size)
+        store = functools.partial(self._store, request, space, tenant)
+        receive = functools.partial(
+            receive_artifact, held=held, bounds=self.service.config.puts, store=store
+        )
+        return self.service.ticket(call, receive, held.release, request.size)
 
     @unary
     def OpenFetchArtifact(self, request, call):
@@ -109,29 +101,8 @@ class Artifacts:
         pinned = self.service.pinned
         pinned.acquire(tenant.name, read.size, tenant.weight)
         unpin = once(lambda: pinned.release(tenant.name, read.size))
-        try:
-            ticket = self.service.data_plane.issue(
-                lambda conn: send_artifact(conn, read),
-                unpin,
-                peer_host(call.peer()),
-                read.size,
-                self.service.owner_key(call),
-                tenant.name,
-                tenant.weight,
-            )
-        except BaseException:
-            unpin()
-            raise
-        return self._ticket(ticket, read.size, read.proof.signature)
-
-    def _ticket(self, ticket: bytes, size: int, signature: bytes = b"") -> pb.TransferTicket:
-        return pb.TransferTicket(
-            ticket=ticket,
-            data_address=self.service.data_address,
-            total_bytes=size,
-            expires_ms=int(self.service.data_plane.ticket_ttl_s * 1000),
-            signature=signature,
-        )
+        send = lambda conn: send_artifact(conn, read)  # noqa: E731
+        return self.service.ticket(call, send, unpin, read.size, read.proof.signature)
 
     def _admit_artifact(self, size: int, tenant: Tenant) -> Reservation:
         """Refuse an artifact by its declared size, before any of its bytes is buffered."""

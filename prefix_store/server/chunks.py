@@ -24,7 +24,7 @@ from prefix_store.server.service import Service
 from prefix_store.server.transfers import once, receive_put
 from prefix_store.shard import ChunkRef, Deletable
 from rpc.handler import streaming, unary
-from rpc.server import client_stream, parse, peer_host
+from rpc.server import client_stream, parse
 
 MAX_CHUNKS_PER_FETCH = 1 << 16
 
@@ -157,24 +157,8 @@ class Chunks:
             (layer, crcs, head_major(segments, tokens, layout.num_kv_heads, row_bytes))
             for layer, segments, crcs in stream.layers()
         )
-        try:
-            ticket = self.service.data_plane.issue(
-                lambda conn: send_frames(conn, frames),
-                close,
-                peer_host(call.peer()),
-                stream.total_bytes,
-                self.service.owner_key(call),
-                tenant.name,
-                tenant.weight,
-            )
-        except BaseException:
-            close()
-            raise
-        return pb.TransferTicket(
-            ticket=ticket,
-            data_address=self.service.data_address,
-            total_bytes=stream.total_bytes,
-            expires_ms=int(self.service.data_plane.ticket_ttl_s * 1000),
+        return self.service.ticket(
+            call, lambda conn: send_frames(conn, frames), close, stream.total_bytes
         )
 
     @unary
@@ -183,25 +167,8 @@ class Chunks:
             raise InvalidArgument("OpenPut: this shard has no data plane; use Put")
         session = self._begin_put(request, call)
         total = session.layer_bytes * session.layout.num_layers
-        try:
-            ticket = self.service.data_plane.issue(
-                lambda conn: receive_put(conn, session, self.service.config.puts),
-                session.close,
-                peer_host(call.peer()),
-                total,
-                self.service.owner_key(call),
-                call.caller.name,
-                call.caller.weight,
-            )
-        except BaseException:
-            session.close()
-            raise
-        return pb.TransferTicket(
-            ticket=ticket,
-            data_address=self.service.data_address,
-            total_bytes=total,
-            expires_ms=int(self.service.data_plane.ticket_ttl_s * 1000),
-        )
+        receive = lambda conn: receive_put(conn, session, self.service.config.puts)  # noqa: E731
+        return self.service.ticket(call, receive, session.close, total)
 
     @streaming
     def Fetch(self, request, call):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 
+from vericache.v1 import prefix_store_pb2 as pb
+
 from prefix_store.auth import Authenticator, QuotaGuard, namespace_of
 from prefix_store.config import ShardConfig
 from prefix_store.data_plane import DataPlane
@@ -32,7 +34,7 @@ from prefix_store.shard_metrics import ShardMetrics
 from prefix_store.shares import FairShare
 from rpc.handler import Call, Gate
 from rpc.limits import CallLimits, IdleStreams
-from rpc.server import parse
+from rpc.server import parse, peer_host
 from rpc.status import STORE
 
 
@@ -122,6 +124,33 @@ class Service:
     def owner_key(call: Call) -> bytes:
         """What binds a data-plane ticket to the caller's tenant (see `redemption`)."""
         return token_key(call.token)
+
+    def ticket(
+        self, call: Call, run, close, nbytes: int, signature: bytes = b""
+    ) -> pb.TransferTicket:
+        """A data-plane ticket for the caller's transfer of `nbytes`: `run(conn)` once it
+        is redeemed, `close()` exactly when it ends (run, expired, or not issued: then at
+        once, and the error raised)."""
+        try:
+            ticket = self.data_plane.issue(
+                run,
+                close,
+                peer_host(call.peer()),
+                nbytes,
+                self.owner_key(call),
+                call.caller.name,
+                call.caller.weight,
+            )
+        except BaseException:
+            close()
+            raise
+        return pb.TransferTicket(
+            ticket=ticket,
+            data_address=self.data_address,
+            total_bytes=nbytes,
+            expires_ms=int(self.data_plane.ticket_ttl_s * 1000),
+            signature=signature,
+        )
 
     def writer(self, call: Call, namespace: str):
         """The caller and `namespace`, which its role must let it write."""

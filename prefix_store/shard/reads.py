@@ -129,8 +129,7 @@ class Reader:
             where,
         )
         with self.holdings.mutating():
-            found = self.holdings.placement.find(blob.id)
-            if found is not None and found.crcs == blob.crcs:
+            if self._is_stored(blob):
                 self.holdings.stats.corrupt += 1
                 self.holdings.condemn(blob.id)
         raise DataLoss(
