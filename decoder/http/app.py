@@ -23,7 +23,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -70,6 +70,9 @@ class Upstream:
     authenticate: Callable[[str, str], None]
     """(token, the caller's address) -> None when the store knows the token; raises
     Unauthenticated (LimitExceeded for a throttled address, Unavailable). Blocking."""
+    max_new_tokens: Callable[[], int] = lambda: 0
+    """The most new tokens its decoders let a request ask for, as they report it now (0:
+    not known; the model's `max_new_tokens` holds). Non-blocking."""
 
 
 class ClientGone(Exception):
@@ -138,6 +141,11 @@ class FrontDoor:
                 "max_model_len": self.model.context}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
 
+    def _served(self) -> Model:
+        """The model as the decoders serve it now: their bound on new tokens."""
+        bound = self.upstream.max_new_tokens()
+        return replace(self.model, max_new_tokens=bound) if bound else self.model
+
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, completion_request)
 
@@ -151,7 +159,7 @@ class FrontDoor:
         except ClientDisconnect:
             return Response(status_code=499)
         plan: Plan = await anyio.to_thread.run_sync(
-            _translated, translate, raw, self.model, limiter=self.translating
+            _translated, translate, raw, self._served(), limiter=self.translating
         )
         output = Output(plan, self.model.name, self._decode)
         events = self._events(plan, token)

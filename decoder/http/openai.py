@@ -5,8 +5,9 @@ expect (`ApiError`, `http_status`). Pure: no I/O, no server.
 
 What is served (the defaults are OpenAI's):
 - `model` must name the served model (else 404 `model_not_found`).
-- `max_tokens` (chat: also `max_completion_tokens`); default 16 for completions, and for
-  chat what is left of the model's context after the prompt (at most the decoders' bound).
+- `max_tokens` (chat: also `max_completion_tokens`): at most what the prompt leaves of the
+  model's context, and at most the decoders' bound on new tokens (as their Info reports
+  it); default 16 for completions, and for chat the most allowed.
 - `temperature` (default 1.0; 0 is greedy), `top_p` (default 1.0), `top_k` (vLLM's; 0 or
   -1 is off), `seed`: a request with a seed streams the same tokens every time.
 - `stop`: a string or up to 4 of them, and `stop_token_ids` (vLLM's): the output ends
@@ -184,7 +185,7 @@ def completion_request(body: Mapping[str, Any], model: Model) -> Plan:
     if _get(body, "logprobs", int, None) is not None:
         raise bad("logprobs are not supported", "logprobs")
     ids = _prompt(body.get("prompt"), model)
-    max_tokens = _max_tokens(body, "max_tokens", 16, len(ids), model)
+    max_tokens = _max_tokens(body, "max_tokens", min(16, model.max_new_tokens), len(ids), model)
     return _plan("completion", body, ids, max_tokens)
 
 
@@ -344,6 +345,9 @@ def _max_tokens(body: Mapping[str, Any], name: str, default: int, prompt: int, m
     if not 1 <= value <= room:
         raise bad(f"{name}: must be in [1, {room}] (the context of {model.context} less the "
                   f"prompt's {prompt} tokens)", name)  # fmt: skip
+    if value > model.max_new_tokens:
+        raise bad(f"{name}: must be at most {model.max_new_tokens} (the decoders' bound on "
+                  "new tokens)", name)  # fmt: skip
     return value
 
 

@@ -14,6 +14,7 @@ for `silence_s` is cancelled the same way (a hung decoder).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -66,6 +67,8 @@ class Member:
     """Its own report (every caller's requests), from its Info."""
     refused: bool = False
     """It refused the internal credential (its Info unread until it accepts it)."""
+    max_new_tokens: int = 0
+    """The most new tokens it lets a request ask for, from its Info (0 until read)."""
     model_id: str = ""
     """Its identity domain from its Info: the model and the exact kernel whose bits its tokens
     have ("" until its Info was read)."""
@@ -149,6 +152,13 @@ class Members:
             member.failures = self.config.down_after
             self._out(member, "a call found it unreachable")
 
+    def max_new_tokens(self) -> int:
+        """The most new tokens every healthy decoder lets a request ask for, as their Info
+        reports it (0: none has reported)."""
+        with self._lock:
+            bounds = [m.max_new_tokens for m in self._members.values() if m.healthy]
+        return functools.reduce(least, bounds, 0)
+
     def snapshot(self) -> list[dict]:
         """Per decoder: health, load and requests routed (`vericache status`)."""
         with self._lock:
@@ -225,6 +235,7 @@ class Members:
             return member.reported
         member.refused = False
         member.model_id = info.model_id
+        member.max_new_tokens = info.max_new_tokens
         return load_of(info)
 
     def _refused(self, member: Member, code: grpc.StatusCode) -> None:
@@ -247,6 +258,11 @@ class Members:
             watches = list(member.watches)
         for watch in watches:
             watch.cut("decoder out")
+
+
+def least(a: int, b: int) -> int:
+    """The smaller of two bounds where 0 means none."""
+    return min(a, b) if a and b else a or b
 
 
 def load_of(info: dpb.InfoResponse) -> Load:

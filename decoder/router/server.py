@@ -33,7 +33,7 @@ from decoder.http.openai import Model, control_tokens
 from decoder.http.server import HttpServer
 from decoder.router.config import RouterConfig
 from decoder.router.identity import request_identity
-from decoder.router.members import Members
+from decoder.router.members import Members, least
 from decoder.router.policies import make_policy
 from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
@@ -132,6 +132,7 @@ class RouterServicer:
             total.default_compressor = total.default_compressor or info.default_compressor
             for name in SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(info, name))
+            total.max_new_tokens = least(total.max_new_tokens, info.max_new_tokens)
         return total
 
     def _order(self, identity: int):
@@ -217,8 +218,8 @@ class RouterServer:
                 pass
 
         model = served_model(self.config.model, self.servicer.tokenizer, config.model_name)
-        registry = self.servicer.registry
-        return HttpServer(config, model, Upstream(target, authenticate), registry, self.config.tls)
+        upstream = Upstream(target, authenticate, self.servicer.members.max_new_tokens)
+        return HttpServer(config, model, upstream, self.servicer.registry, self.config.tls)
 
     def start(self) -> str:
         if self.metrics is not None:

@@ -118,6 +118,8 @@ class WorkerInfo:
     engines: int
     weight_bytes: int
     peak_rss_bytes: int
+    max_new_tokens: int
+    """The most new tokens a request may ask for (`DecoderConfig.max_new_tokens`)."""
 
 
 class DecoderWorker:
@@ -200,6 +202,7 @@ class DecoderWorker:
             engines=pool.engines,
             weight_bytes=self.runner.weight_bytes,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            max_new_tokens=self.config.max_new_tokens,
         )
 
     # -- Generate ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 
 from decoder.generate import generate_full
 from decoder.http.config import HttpConfig
+from decoder.internal import load_or_create_credential
 from decoder.router import RouterConfig, RouterServer
 from decoder.router.server import load_tokenizer
 from decoder.sampling import SamplingParams
@@ -30,6 +31,9 @@ from tests.waiting import eventually
 
 MODEL = "smollm2-135m-instruct"
 NEW = 12
+BOUND = 2000
+"""The decoder's bound on a request's new tokens (`DecoderConfig.max_new_tokens`), below
+what the model's context leaves a short prompt."""
 LIMITS = HttpConfig(max_body_bytes=64 << 10, header_timeout_s=1.0, body_timeout_s=1.0)
 
 
@@ -41,7 +45,11 @@ class Deployment:
         self.metadata = Metadata(redis_url)
         self.store = Store(redis_url, tmp)
         self.store.start()
-        self.decoder = serve(self.store.endpoints, model)
+        credential = tmp / "internal.token"
+        load_or_create_credential(credential)
+        self.decoder = serve(
+            self.store.endpoints, model, max_new_tokens=BOUND, internal_token_file=credential
+        )
         config = RouterConfig(
             tuple(self.store.endpoints),
             decoders=(self.decoder.address,),
@@ -49,6 +57,7 @@ class Deployment:
             poll_s=0.2,
             calls=CallBounds(per_tenant=1, total=8),  # one call per tenant: 429 is easy to see
             http=LIMITS,
+            internal_token_file=credential,
         )
         self.router = RouterServer(config, tokenizer=load_tokenizer(None))
         self.router.start()
@@ -338,3 +347,28 @@ def test_the_decoder_ends_a_request_at_a_stop_token_or_string(api, builtin_model
     assert (by_id.tokens, by_id.stop_reason) == (full[:cut], "stop")
     assert by_text.stop_reason == "stop" and stop in by_text.text
     assert by_text.tokens == full[: len(by_text.tokens)] and len(by_text.tokens) < 40
+
+
+def test_max_tokens_follow_the_decoders_bound(api, builtin_model, builtin_runner):
+    """The router learns its decoders' bound on new tokens from their Info: a chat request
+    without max_tokens asks for at most that many (not all the context leaves, which the
+    decoder would refuse), and one asking for more is a 400 naming max_tokens."""
+    assert eventually(lambda: api.router.servicer.members.max_new_tokens() == BOUND)
+    token = api.metadata.add_tenant("bounded")
+    with DecoderClient(api.router.address, token) as decoder:
+        assert decoder.info().max_new_tokens == BOUND
+    client = api.client(token)
+    messages = [{"role": "user", "content": "Count from one to ten, in words."}]
+    prompt = builtin_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    full = reference(builtin_runner, builtin_model, prompt)
+    want = full[: full.index(full[5])]  # a stop token ends the output, for a short test
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"stop_token_ids": [full[5]]}
+    )
+    assert reply.choices[0].message.content == builtin_model.decode(want)
+    assert reply.usage.completion_tokens == len(want) and reply.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=BOUND + 1, temperature=0
+        )
+    assert refused.value.body["param"] == "max_tokens" and str(BOUND) in refused.value.message

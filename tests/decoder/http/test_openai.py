@@ -3,6 +3,8 @@ objects (no server: the translation alone, over the built-in model's tokenizer).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from decoder.http.openai import ApiError, Model, Output, chat_request, completion_request
@@ -41,6 +43,20 @@ def test_a_chat_request_goes_through_the_chat_template_with_openai_defaults(mode
     assert plan.request.sampling.top_p == 1.0
     assert not plan.request.sampling.HasField("seed")  # the router gives it one
     assert plan.request.mode == "" and not plan.stream
+
+
+def test_max_tokens_stay_within_the_decoders_bound(model):
+    """Defaults and limits follow the decoders' bound on new tokens (the router's `Model`
+    carries what their Info reports)."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
+    for bound in (8, 20):
+        bounded = dataclasses.replace(model, max_new_tokens=bound)
+        assert chat_request(chat, bounded).request.max_new_tokens == bound
+        completion = {"model": NAME, "prompt": "def f(x):"}
+        assert completion_request(completion, bounded).request.max_new_tokens == min(16, bound)
+        error = refused(chat_request, {**chat, "max_tokens": bound + 1}, bounded)
+        assert error.param == "max_tokens" and f"at most {bound}" in error.message
+        assert chat_request({**chat, "max_tokens": bound}, bounded).request.max_new_tokens == bound
 
 
 def test_a_completion_request_maps_every_parameter(model):

@@ -17,6 +17,7 @@ from decoder.router.policies.affinity import rendezvous
 from decoder.router.server import load_tokenizer
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient, GenerateReply
+from decoder.service.config import MAX_NEW_TOKENS
 from prefix_store.config import ClientConfig
 from prefix_store.errors import NotFound, Unauthenticated
 from tests.decoder.service.conftest import serve
@@ -172,6 +173,7 @@ def test_auth_and_tenants_are_unchanged_through_the_router(store, decoders, meta
             client.generate(token_ids=[1, 2, 3], max_new_tokens=1, namespace="bobs-docs")
         info = client.info()
     assert info.worker_id == "router-0" and info.model_id
+    assert info.max_new_tokens == MAX_NEW_TOKENS  # the least of its decoders' bounds
     router.stop(0)
 
 

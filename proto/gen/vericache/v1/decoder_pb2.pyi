@@ -109,7 +109,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "worker_id", "kv_budget", "kv_used", "in_flight", "queued", "default_compressor", "kv_cached", "cached_prefixes", "engines", "weight_bytes", "peak_rss_bytes")
+    __slots__ = ("model_id", "worker_id", "kv_budget", "kv_used", "in_flight", "queued", "default_compressor", "kv_cached", "cached_prefixes", "engines", "weight_bytes", "peak_rss_bytes", "max_new_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class InfoResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     worker_id: str
     kv_budget: int
@@ -134,4 +135,5 @@ class InfoResponse(_message.Message):
     engines: int
     weight_bytes: int
     peak_rss_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_budget: _Optional[int] = ..., kv_used: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., default_compressor: _Optional[str] = ..., kv_cached: _Optional[int] = ..., cached_prefixes: _Optional[int] = ..., engines: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ...) -> None: ...
+    max_new_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_budget: _Optional[int] = ..., kv_used: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., default_compressor: _Optional[str] = ..., kv_cached: _Optional[int] = ..., cached_prefixes: _Optional[int] = ..., engines: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., peak_rss_bytes: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
