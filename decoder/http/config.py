@@ -27,7 +27,8 @@ class HttpConfig:
     keep_alive_s: int = 5
     """An idle kept-alive connection is closed after this."""
     max_connections: int = 512
-    """Open connections at most; past it new requests get 503."""
+    """Connections served at once: a request that finds more open, or more requests
+    running, gets 503 (OpenAI's error object) and its connection is closed."""
     request_timeout_s: float = 3600.0
     """A generation's deadline (its Decoder call's)."""
 

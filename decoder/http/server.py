@@ -2,15 +2,17 @@
 own event loop thread, over a socket bound at construction (so its port is known and a
 port in use fails there, as OSError).
 
-Bounds beyond uvicorn's own (`max_connections`, keep-alive, request head size): a
-connection must send a whole request head within `header_timeout_s` of opening or of its
-previous response, else it is closed (`HeadTimeoutProtocol`), so that slow clients cannot
-hold connections open; the application bounds the body (`app`).
+Bounds beyond uvicorn's own (keep-alive, request head size): a connection must send a
+whole request head within `header_timeout_s` of opening or of its previous response, else
+it is closed, so that slow clients cannot hold connections open; past `max_connections`
+a request gets OpenAI's error object with 503 (uvicorn's own limit answers in plain text);
+both in `BoundedProtocol`. The application bounds the body (`app`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -21,17 +23,38 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from decoder.http.app import Upstream, api
 from decoder.http.config import HttpConfig
-from decoder.http.openai import Model
+from decoder.http.openai import ApiError, Model
 from prefix_store.tls import TLSConfig, server_context
 
 log = logging.getLogger(__name__)
 
 
-class HeadTimeoutProtocol(H11Protocol):
+BUSY = ApiError(503, "the server is at its connection limit; retry later")
+BUSY_BODY = json.dumps(BUSY.body()).encode()
+
+
+class BoundedProtocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
-    within `head_timeout_s` of opening or of its last response."""
+    within `head_timeout_s` of opening or of its last response, and answering a request
+    that finds `max_connections` connections open (or as many requests running) with
+    OpenAI's error object, status 503, and the connection closed (uvicorn's
+    `limit_concurrency`, whose answer is plain text)."""
 
     head_timeout_s = 10.0
+    max_connections: int | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._app, self.app = self.app, self._bounded
+
+    async def _bounded(self, scope, receive, send) -> None:
+        # asked from inside the request: its own connection and task are counted
+        limit = self.max_connections
+        if limit is not None and (len(self.connections) > limit or len(self.tasks) > limit):
+            log.warning("http: a request past the connection limit (%d) got 503", limit)
+            await _busy(send)
+        else:
+            await self._app(scope, receive, send)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -64,6 +87,17 @@ class HeadTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
+async def _busy(send) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(BUSY_BODY)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": BUSY_BODY, "more_body": False})
+
+
 class HttpServer:
     """The OpenAI-compatible API of one Decoder service."""
 
@@ -79,8 +113,9 @@ class HttpServer:
         self.sock = _bound(config.host, config.port)
         self.port = self.sock.getsockname()[1]
         self.scheme = "https" if tls is not None else "http"
-        head = {"head_timeout_s": config.header_timeout_s}
-        protocol = type("Protocol", (HeadTimeoutProtocol,), head)
+        bounds = {"head_timeout_s": config.header_timeout_s,
+                  "max_connections": config.max_connections}  # fmt: skip
+        protocol = type("Protocol", (BoundedProtocol,), bounds)
         self._uvicorn = uvicorn.Server(
             uvicorn.Config(
                 api(config, model, upstream, registry),
@@ -89,7 +124,6 @@ class HttpServer:
                 log_level="warning",
                 access_log=False,
                 server_header=False,
-                limit_concurrency=config.max_connections,
                 timeout_keep_alive=config.keep_alive_s,
                 h11_max_incomplete_event_size=config.max_header_bytes,
                 ssl_context_factory=None if tls is None else (lambda c, d: server_context(tls)),
