@@ -24,6 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from decoder.http.app import Upstream, api
 from decoder.http.config import HttpConfig
 from decoder.http.openai import ApiError, Model
+from prefix_store.client.loops import quiet_grpc_wakeups
 from prefix_store.tls import TLSConfig, server_context
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,12 @@ class HttpServer:
         return self.port
 
     def _run(self) -> None:
-        asyncio.run(self._uvicorn.serve(sockets=[self.sock]))
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        # this loop's grpc.aio shares its wake-ups with any other loop in the process
+        quiet_grpc_wakeups(asyncio.get_running_loop())
+        await self._uvicorn.serve(sockets=[self.sock])
 
     def stop(self) -> None:
         self._uvicorn.should_exit = True
