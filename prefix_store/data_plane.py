@@ -44,6 +44,7 @@ from prefix_store.protocol.frames import (
     tune,
 )
 from prefix_store.shares import FairShare
+from prefix_store.status import BUSY_RETRY_MS
 from rpc.status import STORE
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,11 @@ def head_major_pieces(
 
 
 def refuse(conn: socket.socket, error: BaseException) -> None:
-    """Tell a connection its bounds refused it (RESOURCE_EXHAUSTED, naming the limit), and
-    close it."""
+    """Tell a connection its bounds refused it (RESOURCE_EXHAUSTED, naming the limit, marked
+    busy: try again after `BUSY_RETRY_MS`), and close it."""
     with contextlib.suppress(OSError), conn:
         conn.settimeout(1)
-        conn.sendall(error_frame("RESOURCE_EXHAUSTED", str(error)))
+        conn.sendall(error_frame("RESOURCE_EXHAUSTED", str(error), BUSY_RETRY_MS))
 
 
 def _shut(sock: socket.socket) -> None:
@@ -363,8 +364,9 @@ class DataPlane:
         except Exception as error:  # noqa: BLE001 - report it in band, then close
             if STORE.code_of(error).name == "INTERNAL":
                 log.exception("data plane: internal error")
+            busy = BUSY_RETRY_MS if isinstance(error, LimitExceeded) else None
             with contextlib.suppress(OSError):
-                conn.sendall(error_frame(STORE.code_of(error).name, str(error)))
+                conn.sendall(error_frame(STORE.code_of(error).name, str(error), busy))
         finally:
             transfer.close()
 

@@ -1,6 +1,7 @@
 """The client's one retry policy: retry on UNAVAILABLE (quarantining the target), and on a
-refusal its server marked busy (`status.RETRY_AFTER`: no quarantine, waiting at least what
-it asked), with capped exponential backoff, moving through the candidate targets; every
+refusal its server marked busy (`status.RETRY_AFTER` on gRPC, `LimitExceeded` from the data
+plane's in-band refusal: no quarantine, waiting at least what it asked), with capped
+exponential backoff, moving through the candidate targets; every
 other status becomes a typed error at once.
 `Attempts` is the policy without I/O; `retrying` and `retrying_async` only call and sleep."""
 
@@ -15,7 +16,7 @@ import grpc
 
 from prefix_store.config import ClientConfig
 from prefix_store.errors import LimitExceeded, StoreError, Unavailable
-from prefix_store.status import RETRYABLE, busy_retry_s, error_of
+from prefix_store.status import BUSY_RETRY_MS, RETRYABLE, busy_retry_s, error_of
 
 T = TypeVar("T")
 
@@ -71,12 +72,15 @@ class Attempts:
             self.attempt = attempt
             yield self.targets[attempt % len(self.targets)]
 
-    def failed(self, target: str, error: grpc.RpcError | Unavailable) -> float:
+    def failed(self, target: str, error: grpc.RpcError | Unavailable | LimitExceeded) -> float:
         """Seconds to wait before the next attempt; raises the typed error at once if no
         retry can help."""
-        wait = busy_retry_s(error)
+        wait = BUSY_RETRY_MS / 1000 if isinstance(error, LimitExceeded) else busy_retry_s(error)
         self.busy = wait is not None
-        self.last = rpc_error(error) if self.busy else retryable(error)
+        if isinstance(error, LimitExceeded):
+            self.last = error
+        else:
+            self.last = rpc_error(error) if self.busy else retryable(error)
         if not self.busy and self.on_unavailable is not None:
             self.on_unavailable(target)
         if self.attempt + 1 >= self.config.retries:
@@ -93,11 +97,12 @@ class Attempts:
 
 
 def retrying(attempts: Attempts, call: Callable[[str], T]) -> T:
-    """`call(target)` on the targets in turn until one answers; UNAVAILABLE moves on."""
+    """`call(target)` on the targets in turn until one answers; UNAVAILABLE moves on, a busy
+    refusal waits first."""
     for target in attempts:
         try:
             return call(target)
-        except (grpc.RpcError, Unavailable) as error:
+        except (grpc.RpcError, Unavailable, LimitExceeded) as error:
             time.sleep(attempts.failed(target, error))
     raise attempts.exhausted()
 
@@ -107,6 +112,6 @@ async def retrying_async(attempts: Attempts, call: Callable[[str], Awaitable[T]]
     for target in attempts:
         try:
             return await call(target)
-        except (grpc.RpcError, Unavailable) as error:
+        except (grpc.RpcError, Unavailable, LimitExceeded) as error:
             await asyncio.sleep(attempts.failed(target, error))
     raise attempts.exhausted()

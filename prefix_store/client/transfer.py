@@ -41,14 +41,16 @@ from prefix_store.status import error_of
 
 
 def in_band_error(sock: socket.socket, size: int, fetch: bool = False) -> StoreError:
-    """The typed error of an in-band error frame. On a fetch, RESOURCE_EXHAUSTED comes only
-    from the plane's bounds refusing the connection (`LimitExceeded`: the fetch tries a
-    replica or waits, see `client.core.busy_wait_s`)."""
-    code, message = read_error(sock, size)
-    if fetch and code == "RESOURCE_EXHAUSTED":
-        return LimitExceeded(f"data plane: {message}")
-    status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNAVAILABLE)
-    return error_of(status, f"data plane: {message}")
+    """The typed error of an in-band error frame. A refusal marked busy is `LimitExceeded`
+    (the plane's bounds: a fetch tries a replica or waits, see `client.core.busy_wait_s`; a
+    put waits and tries again, see `retry.Attempts`), never `QuotaExceeded`. On a fetch
+    every RESOURCE_EXHAUSTED is such a refusal (shards before the mark sent none)."""
+    error = read_error(sock, size)
+    busy = error.retry_after_ms is not None or fetch
+    if error.code == "RESOURCE_EXHAUSTED" and busy:
+        return LimitExceeded(f"data plane: {error.message}")
+    status = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNAVAILABLE)
+    return error_of(status, f"data plane: {error.message}")
 
 
 class Cancel:

@@ -12,7 +12,10 @@ transit is caught end to end. Put frames are the same without the CRCs (magic b"
 commit carries each chunk's checksum). Every segment of a chunk layer passes its checksum
 on the shard before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
 "STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
-connection closes.
+connection closes. A refusal by the server's bounds (busy: try again later, as a gRPC
+refusal carrying `retry-after-ms`) names it after the code:
+"RESOURCE_EXHAUSTED retry-after-ms=N\nmessage"; without it, RESOURCE_EXHAUSTED is the
+tenant's quota or a full store, which waiting does not cure.
 
 Puts go the same way in the other direction (`OpenPut`): the client sends one frame per
 layer from its tensors, then a commit frame b"VCCM" carrying each chunk's CRC-32C (u32
@@ -38,6 +41,7 @@ import hmac
 import socket
 import ssl
 import struct
+from typing import NamedTuple
 
 HEADER = struct.Struct("<4sIII")
 OK = b"VCL1"
@@ -78,8 +82,19 @@ def pack_crcs(crcs) -> bytes:
     return struct.pack(f"<{len(crcs)}I", *crcs)
 
 
-def error_frame(code: str, message: str) -> bytes:
-    text = f"{code}\n{message}".encode()[:65536]
+class InBandError(NamedTuple):
+    """An error frame's content."""
+
+    code: str
+    """The gRPC status code's name."""
+    message: str
+    retry_after_ms: int | None = None
+    """Set on a refusal by the server's bounds (busy): when it may be tried again."""
+
+
+def error_frame(code: str, message: str, retry_after_ms: int | None = None) -> bytes:
+    head = code if retry_after_ms is None else f"{code} retry-after-ms={retry_after_ms}"
+    text = f"{head}\n{message}".encode()[:65536]
     return HEADER.pack(ERROR, 0, 0, len(text)) + text
 
 
@@ -89,12 +104,16 @@ def read_frame_header(sock: socket.socket) -> tuple[bytes, int, int, int]:
     return HEADER.unpack(header)
 
 
-def read_error(sock: socket.socket, size: int) -> tuple[str, str]:
-    """(status code name, message) of an error frame whose header has been read."""
+def read_error(sock: socket.socket, size: int) -> InBandError:
+    """The content of an error frame whose header has been read."""
     body = bytearray(min(size, 65536))
     recv_exact(sock, memoryview(body))
-    code, _, message = body.decode(errors="replace").partition("\n")
-    return code, message
+    head, _, message = body.decode(errors="replace").partition("\n")
+    code, _, hint = head.partition(" ")
+    wait = hint.removeprefix("retry-after-ms=")
+    named = hint != wait and wait.isascii() and wait.isdigit() and len(wait) <= 9
+    retry_after_ms = int(wait) if named else None
+    return InBandError(code, message, retry_after_ms)
 
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:

@@ -22,7 +22,15 @@ from prefix_store.client.transfer import host_port, receive_artifact
 from prefix_store.config import DataPlaneLimits
 from prefix_store.errors import StoreError
 from prefix_store.metrics import MetricsConfig, scrape
-from prefix_store.protocol.frames import COMMIT, ERROR, HEADER, OK, read_error, redemption
+from prefix_store.protocol.frames import (
+    COMMIT,
+    ERROR,
+    HEADER,
+    OK,
+    InBandError,
+    read_error,
+    redemption,
+)
 from prefix_store.provenance import Signer
 from tests.prefix_store.conftest import LAYOUT, random_kv
 from tests.waiting import eventually
@@ -127,8 +135,8 @@ def open_put(server, token: str, prefix_key: int, size: int) -> pb.TransferTicke
     return stub.OpenPutArtifact(ident, metadata=(("authorization", f"Bearer {token}"),))
 
 
-def send_raw(ticket: pb.TransferTicket, token: str, frames: bytes) -> tuple[str, str]:
-    """What the shard's data plane answers to `frames` after the ticket: (code, message)."""
+def send_raw(ticket: pb.TransferTicket, token: str, frames: bytes) -> InBandError:
+    """What the shard's data plane answers to `frames` after the ticket: its error frame."""
     with socket.create_connection(host_port(ticket.data_address), timeout=5) as sock:
         sock.sendall(redemption(ticket.ticket, token) + frames)
         magic, _, _, size = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
@@ -164,7 +172,7 @@ def test_a_malformed_artifact_transfer_is_refused_and_nothing_is_stored(
     token = metadata.add_tenant("alice")
     ticket = open_put(server, token, prefix_key=42, size=100)
     if message:
-        code, text = send_raw(ticket, token, frames)
+        code, text, _ = send_raw(ticket, token, frames)
         assert code == "INVALID_ARGUMENT" and message in text
     else:
         with socket.create_connection(host_port(ticket.data_address), timeout=5) as sock:

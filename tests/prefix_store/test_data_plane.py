@@ -62,7 +62,7 @@ def test_an_unknown_ticket_gets_an_in_band_error(store, metadata):
         header = sock.recv(HEADER.size, socket.MSG_WAITALL)
         magic, _, _, size = HEADER.unpack(header)
         assert magic == ERROR
-        assert read_error(sock, size) == ("UNAVAILABLE", "unknown or expired ticket")
+        assert read_error(sock, size) == ("UNAVAILABLE", "unknown or expired ticket", None)
 
 
 def test_a_ticket_holds_a_lease_until_it_expires_unused(store, metadata):

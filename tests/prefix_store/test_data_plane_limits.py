@@ -20,6 +20,7 @@ from prefix_store.config import DataPlaneLimits
 from prefix_store.data_plane import DataPlane
 from prefix_store.errors import LimitExceeded
 from prefix_store.protocol.frames import HEADER, read_error, redemption, token_key
+from prefix_store.status import BUSY_RETRY_MS
 from tests.waiting import eventually
 
 
@@ -47,7 +48,7 @@ def connect(plane: DataPlane, timeout: float = 5.0, source: str = "127.0.0.1") -
 
 
 def answer(sock: socket.socket) -> tuple[str, str]:
-    """The error frame the plane sends back (code, message)."""
+    """The error frame the plane sends back (code, message, retry_after_ms)."""
     header = sock.recv(HEADER.size, socket.MSG_WAITALL)
     _, _, _, size = HEADER.unpack(header)
     return read_error(sock, size)
@@ -97,10 +98,10 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors(plane_with):
     with waiting:  # accepted once descriptors are free, and answered
         waiting.settimeout(10)
         waiting.sendall(b"x" * 48)
-        assert answer(waiting) == ("UNAVAILABLE", "unknown or expired ticket")
+        assert answer(waiting) == ("UNAVAILABLE", "unknown or expired ticket", None)
     with connect(plane) as sock:  # still accepting, still answering
         sock.sendall(b"x" * 48)
-        assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
+        assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket", None)
 
 
 def test_a_connection_that_sends_no_ticket_is_closed_when_idle(plane_with):
@@ -174,8 +175,9 @@ def test_a_tenant_holds_at_most_its_share_of_transfer_connections(plane_with):
         assert eventually(lambda: len(running) >= 2, timeout_s=5)
         assert len(running) == 2  # alone: 4 less a newcomer's share
         socks[2].sendall(redemption(tickets[2], "any"))
-        code, message = answer(socks[2])
+        code, message, retry_after_ms = answer(socks[2])
         assert code == "RESOURCE_EXHAUSTED" and "data-plane connections" in message
+        assert retry_after_ms == BUSY_RETRY_MS  # busy, not over a quota: try again later
         other = threading.Event()
         ticket = plane.issue(lambda conn: other.set(), lambda: None, tenant="other")
         with connect(plane) as sock:  # another tenant still finds a connection
@@ -227,7 +229,7 @@ def test_a_ticket_is_redeemable_only_from_its_address(plane_with):
     elsewhere = plane.issue(lambda conn: ran.set(), lambda: None, peer="10.9.9.9")
     with connect(plane) as sock:  # a sniffed ticket, redeemed from another address
         sock.sendall(redemption(elsewhere, "any"))
-        assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
+        assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket", None)
     assert not ran.is_set()
     here = plane.issue(lambda conn: ran.set(), lambda: None, peer="127.0.0.1")
     with connect(plane) as sock:
@@ -243,7 +245,7 @@ def test_a_ticket_is_redeemable_only_by_its_tenant(plane_with):
     for thief in (ticket + bytes(32), redemption(ticket, "mallory")):
         with connect(plane) as sock:
             sock.sendall(thief)
-            assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket")
+            assert answer(sock) == ("UNAVAILABLE", "unknown or expired ticket", None)
     assert not ran.is_set()
     with connect(plane) as sock:
         sock.sendall(redemption(ticket, "alice"))

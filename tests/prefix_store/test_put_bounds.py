@@ -171,7 +171,7 @@ def test_a_data_plane_put_trickling_bytes_is_cut_and_returns_its_reservation(sto
         except OSError:
             pass  # cut
         magic, _, _, size = read_frame_header(sock)
-        code, message = read_error(sock, size)
+        code, message, _ = read_error(sock, size)
     assert (magic, code) == (b"VCER", "DEADLINE_EXCEEDED")
     assert "below the minimum rate" in message
     wait_for(lambda: server.shard.received() == 0)

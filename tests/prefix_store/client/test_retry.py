@@ -1,0 +1,35 @@
+"""The client's retry policy (`Attempts`, no I/O) on a busy refusal from the data plane
+(`LimitExceeded`): it waits at least what a busy server asks, never quarantines the shard,
+and reports the refusal itself, not UNAVAILABLE, when every attempt was refused."""
+
+from __future__ import annotations
+
+from prefix_store.client.retry import Attempts, retrying
+from prefix_store.config import ClientConfig
+from prefix_store.errors import LimitExceeded
+from prefix_store.status import BUSY_RETRY_MS
+
+CONFIG = ClientConfig(retries=3, backoff_s=0.001, max_backoff_s=0.002)
+
+
+def test_a_busy_refusal_waits_without_quarantine_and_is_reported_as_such():
+    quarantined = []
+    attempts = Attempts(CONFIG, ["shard-0"], quarantined.append)
+    refusal = LimitExceeded("data plane: the shard's connections are taken")
+    waits = []
+    for target in attempts:
+        waits.append(attempts.failed(target, refusal))
+    assert waits[:-1] == [BUSY_RETRY_MS / 1000] * 2 and quarantined == []
+    assert attempts.exhausted() is refusal
+
+
+def test_retrying_tries_again_after_a_busy_refusal():
+    answers = iter([LimitExceeded("busy"), "stored"])
+
+    def call(target: str) -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert retrying(Attempts(CONFIG, ["shard-0"]), call) == "stored"
