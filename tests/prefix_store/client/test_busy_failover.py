@@ -73,3 +73,22 @@ def test_a_stream_refused_for_good_fails_naming_the_limit(store, metadata):
         k, v = empty(prefix.tokens)
         with pytest.raises(StoreError, match="data-plane tickets"):
             reader.fetch_layers(prefix, k, v)
+
+
+def test_a_put_refused_busy_by_the_data_plane_waits_and_lands(store, metadata):
+    """A tenant whose data-plane connection share at the shard is one, publishing over two
+    streams: the second stream's connection is refused busy while the first one runs. The
+    put waits and tries again (it is not an exceeded quota), and the publish lands whole."""
+    store.start(data_limits=DataPlaneLimits(max_connections=2))
+    tokens = list(range(9000, 9000 + 16 * 8))
+    kv = random_kv(LAYOUT, len(tokens), seed=5)
+    with store.client(metadata.add_tenant("writer"), streams=2, retries=6) as client:
+        for attempt in range(3):  # each publish a new prefix: both streams race each time
+            mine = [t + 1000 * attempt for t in tokens]
+            client.publish_prefix(mine, kv, LAYOUT)
+            prefix = client.lookup(mine, LAYOUT)
+            k, v = empty(prefix.tokens)
+            client.fetch_layers(prefix, k, v)
+            assert torch.equal(k, kv[:, 0, :, : prefix.tokens]) and torch.equal(
+                v, kv[:, 1, :, : prefix.tokens]
+            )
