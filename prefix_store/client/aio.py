@@ -217,7 +217,8 @@ class AsyncStoreClient:
             send = self._conn.send_put
             return await asyncio.to_thread(send, publish, stream, ticket.ticket, deadlines.stream)
 
-        return await retrying_async(self.core.attempts([stream.shard_id]), call)
+        attempts = self.core.attempts([stream.shard_id], wait_when_busy=True)
+        return await retrying_async(attempts, call)
 
     # ---- fetch ----------------------------------------------------------------------------
 

@@ -336,9 +336,10 @@ class ClientCore:
         avoided = self.avoided()
         return sorted(shard_ids, key=lambda shard_id: shard_id in avoided)
 
-    def attempts(self, shard_ids: Sequence[str]) -> Attempts:
-        """A call's attempts on these shards, healthy ones first; UNAVAILABLE quarantines."""
-        return Attempts(self.config, self.healthy_first(shard_ids), self.failed)
+    def attempts(self, shard_ids: Sequence[str], wait_when_busy: bool = False) -> Attempts:
+        """A call's attempts on these shards, healthy ones first; UNAVAILABLE quarantines
+        (`wait_when_busy`: see `Attempts`)."""
+        return Attempts(self.config, self.healthy_first(shard_ids), self.failed, wait_when_busy)
 
     def address(self, shard_id: str) -> str:
         return self.topology.shards[shard_id]

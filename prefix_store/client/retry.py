@@ -1,7 +1,7 @@
 """The client's one retry policy: retry on UNAVAILABLE (quarantining the target), and on a
-refusal its server marked busy (`status.RETRY_AFTER` on gRPC, `LimitExceeded` from the data
-plane's in-band refusal: no quarantine, waiting at least what it asked), with capped
-exponential backoff, moving through the candidate targets; every
+refusal its server marked busy (`status.RETRY_AFTER` on gRPC; on the data plane, its in-band
+refusal, `LimitExceeded`, for puts: no quarantine, waiting at least what it asked), with
+capped exponential backoff, moving through the candidate targets; every
 other status becomes a typed error at once.
 `Attempts` is the policy without I/O; `retrying` and `retrying_async` only call and sleep."""
 
@@ -60,8 +60,12 @@ class Attempts:
         config: ClientConfig,
         targets: Sequence[str],
         on_unavailable: Callable[[str], None] | None = None,
+        wait_when_busy: bool = False,
     ) -> None:
         self.config, self.targets, self.on_unavailable = config, list(targets), on_unavailable
+        self.wait_when_busy = wait_when_busy
+        """Whether a data-plane busy refusal (`LimitExceeded`) is tried again after its wait
+        (puts), rather than raised at once (fetches: the caller moves to a replica)."""
         self.attempt = 0
         self.last: StoreError | None = None
         self.busy = False
@@ -98,11 +102,13 @@ class Attempts:
 
 def retrying(attempts: Attempts, call: Callable[[str], T]) -> T:
     """`call(target)` on the targets in turn until one answers; UNAVAILABLE moves on, a busy
-    refusal waits first."""
+    refusal waits first (a data-plane one only with `attempts.wait_when_busy`)."""
     for target in attempts:
         try:
             return call(target)
         except (grpc.RpcError, Unavailable, LimitExceeded) as error:
+            if isinstance(error, LimitExceeded) and not attempts.wait_when_busy:
+                raise
             time.sleep(attempts.failed(target, error))
     raise attempts.exhausted()
 
@@ -113,5 +119,7 @@ async def retrying_async(attempts: Attempts, call: Callable[[str], Awaitable[T]]
         try:
             return await call(target)
         except (grpc.RpcError, Unavailable, LimitExceeded) as error:
+            if isinstance(error, LimitExceeded) and not attempts.wait_when_busy:
+                raise
             await asyncio.sleep(attempts.failed(target, error))
     raise attempts.exhausted()

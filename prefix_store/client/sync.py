@@ -245,7 +245,7 @@ class StoreClient:
             put = self._conn.bulk_put(stream.address, stream.lane)
             return put(messages, metadata=self._metadata, timeout=deadlines.stream)
 
-        return retrying(self.core.attempts([stream.shard_id]), call)
+        return retrying(self.core.attempts([stream.shard_id], wait_when_busy=True), call)
 
     # ---- fetch ----------------------------------------------------------------------------
 

@@ -40,12 +40,14 @@ from prefix_store.protocol.frames import (
 from prefix_store.status import error_of
 
 
-def in_band_error(sock: socket.socket, size: int, fetch: bool = False) -> StoreError:
+def in_band_error(
+    sock: socket.socket, size: int, retry_after_ms: int = 0, fetch: bool = False
+) -> StoreError:
     """The typed error of an in-band error frame. A refusal marked busy is `LimitExceeded`
     (the plane's bounds: a fetch tries a replica or waits, see `client.core.busy_wait_s`; a
     put waits and tries again, see `retry.Attempts`), never `QuotaExceeded`. On a fetch
     every RESOURCE_EXHAUSTED is such a refusal (shards before the mark sent none)."""
-    error = read_error(sock, size)
+    error = read_error(sock, size, retry_after_ms)
     busy = error.retry_after_ms is not None or fetch
     if error.code == "RESOURCE_EXHAUSTED" and busy:
         return LimitExceeded(f"data plane: {error.message}")
@@ -131,7 +133,7 @@ def receive(
                     return
                 magic, layer, count, size = read_frame_header(sock)
                 if magic == ERROR:
-                    raise in_band_error(sock, size, fetch=True)
+                    raise in_band_error(sock, size, layer, fetch=True)
                 want = (CHECKED, layer_from + step, len(chunks), expected)
                 if (magic, layer, count, size) != want:
                     raise Unavailable(
@@ -167,24 +169,47 @@ def send_put(
     layer_bytes = sum(layout.segment_bytes(c.tokens) for c in chunks)
     try:
         with connect(address, timeout_s, tls) as sock:
-            sock.sendall(ticket)
-            for layer, (k, v) in enumerate(layers):
-                crcs = chunk_crcs([(k, v)], chunks, crcs)  # the layer is then hot to send
-                sock.sendall(HEADER.pack(OK, layer, len(chunks), layer_bytes))
-                send_buffers(sock, wire_views(k, v, chunks))
-            commit = struct.pack(f"<{len(crcs)}I", *crcs)
-            sock.sendall(HEADER.pack(COMMIT, 0, len(chunks), len(commit)) + commit)
+            with refused_while_sending(sock, address, len(chunks)):
+                sock.sendall(ticket)
+                for layer, (k, v) in enumerate(layers):
+                    crcs = chunk_crcs([(k, v)], chunks, crcs)  # the layer is then hot to send
+                    sock.sendall(HEADER.pack(OK, layer, len(chunks), layer_bytes))
+                    send_buffers(sock, wire_views(k, v, chunks))
+                commit = struct.pack(f"<{len(crcs)}I", *crcs)
+                sock.sendall(HEADER.pack(COMMIT, 0, len(chunks), len(commit)) + commit)
             return put_reply(sock, address, len(chunks))
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error
 
 
+@contextlib.contextmanager
+def refused_while_sending(sock: socket.socket, address: str, chunks: int):
+    """A put's sending: if the shard cut it (it refused the put, answered in band, then
+    closed with the rest unread), its answer rather than the broken pipe, when it is there
+    to read within a moment; the send's OSError otherwise."""
+    try:
+        yield
+    except OSError as sending:
+        try:
+            sock.settimeout(REFUSAL_READ_S)
+            put_reply(sock, address, chunks)
+        except StoreError as refusal:
+            raise refusal from sending
+        except OSError:
+            raise sending from None
+        raise sending
+
+
+REFUSAL_READ_S = 0.5
+"""How long a put whose sending failed looks for the shard's in-band answer."""
+
+
 def put_reply(sock: socket.socket, address: str, chunks: int) -> pb.PutResponse:
     """The shard's answer to a data-plane put of `chunks` chunks: its PutResponse, or its
     typed error."""
-    magic, _, _, size = read_frame_header(sock)
+    magic, hint, _, size = read_frame_header(sock)
     if magic == ERROR:
-        raise in_band_error(sock, size)
+        raise in_band_error(sock, size, hint)
     if magic != DONE or size > 64 + 32 * chunks:  # two keys per chunk at most
         raise Unavailable(f"data plane: unexpected reply from {address} ({size} bytes)")
     body = bytearray(size)
@@ -209,12 +234,13 @@ def send_artifact(
     crc = 0
     try:
         with connect(address, timeout_s, tls) as sock:
-            sock.sendall(ticket)
-            sock.sendall(HEADER.pack(OK, 0, 1, nbytes(data)))
-            for _, piece in pieces(data, ARTIFACT_PIECE):
-                crc = crc32c(piece, crc)
-                sock.sendall(piece)
-            sock.sendall(HEADER.pack(COMMIT, 0, 1, 4) + struct.pack("<I", crc))
+            with refused_while_sending(sock, address, 1):
+                sock.sendall(ticket)
+                sock.sendall(HEADER.pack(OK, 0, 1, nbytes(data)))
+                for _, piece in pieces(data, ARTIFACT_PIECE):
+                    crc = crc32c(piece, crc)
+                    sock.sendall(piece)
+                sock.sendall(HEADER.pack(COMMIT, 0, 1, 4) + struct.pack("<I", crc))
             return put_reply(sock, address, 1)
     except OSError as error:
         raise Unavailable(f"data plane {address}: {error}") from error
@@ -231,7 +257,7 @@ def receive_artifact(
             sock.sendall(ticket)
             magic, layer, count, got = read_frame_header(sock)
             if magic == ERROR:
-                raise in_band_error(sock, got, fetch=True)
+                raise in_band_error(sock, got, layer, fetch=True)
             if (magic, layer, count, got) != (CHECKED, 0, 1, size):
                 raise Unavailable(
                     f"data plane: frame {(magic, layer, count, got)} from {address}, "

@@ -13,8 +13,8 @@ commit carries each chunk's checksum). Every segment of a chunk layer passes its
 on the shard before the layer is sent; a failure is a frame b"VCER" whose n bytes are UTF-8
 "STATUS_CODE_NAME\nmessage" (the gRPC code the same failure has there), after which the
 connection closes. A refusal by the server's bounds (busy: try again later, as a gRPC
-refusal carrying `retry-after-ms`) names it after the code:
-"RESOURCE_EXHAUSTED retry-after-ms=N\nmessage"; without it, RESOURCE_EXHAUSTED is the
+refusal carrying `retry-after-ms`) carries the milliseconds in the header's layer field
+(0 otherwise; readers before the mark ignore it); RESOURCE_EXHAUSTED without it is the
 tenant's quota or a full store, which waiting does not cure.
 
 Puts go the same way in the other direction (`OpenPut`): the client sends one frame per
@@ -93,9 +93,8 @@ class InBandError(NamedTuple):
 
 
 def error_frame(code: str, message: str, retry_after_ms: int | None = None) -> bytes:
-    head = code if retry_after_ms is None else f"{code} retry-after-ms={retry_after_ms}"
-    text = f"{head}\n{message}".encode()[:65536]
-    return HEADER.pack(ERROR, 0, 0, len(text)) + text
+    text = f"{code}\n{message}".encode()[:65536]
+    return HEADER.pack(ERROR, retry_after_ms or 0, 0, len(text)) + text
 
 
 def read_frame_header(sock: socket.socket) -> tuple[bytes, int, int, int]:
@@ -104,16 +103,13 @@ def read_frame_header(sock: socket.socket) -> tuple[bytes, int, int, int]:
     return HEADER.unpack(header)
 
 
-def read_error(sock: socket.socket, size: int) -> InBandError:
-    """The content of an error frame whose header has been read."""
+def read_error(sock: socket.socket, size: int, retry_after_ms: int = 0) -> InBandError:
+    """The content of an error frame whose header has been read (`retry_after_ms`: its
+    layer field)."""
     body = bytearray(min(size, 65536))
     recv_exact(sock, memoryview(body))
-    head, _, message = body.decode(errors="replace").partition("\n")
-    code, _, hint = head.partition(" ")
-    wait = hint.removeprefix("retry-after-ms=")
-    named = hint != wait and wait.isascii() and wait.isdigit() and len(wait) <= 9
-    retry_after_ms = int(wait) if named else None
-    return InBandError(code, message, retry_after_ms)
+    code, _, message = body.decode(errors="replace").partition("\n")
+    return InBandError(code, message, retry_after_ms or None)
 
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:

@@ -129,8 +129,6 @@ def error_frame(code: bytes, message: bytes, size: int | None = None) -> bytes:
 @given(st.binary(max_size=40), st.binary(max_size=40), st.sampled_from([None, 2**32 - 1]))
 @example(b"__class__", b"x", None)  # not a status code name
 @example(b"OK", b"fine", None)
-@example(b"RESOURCE_EXHAUSTED retry-after-ms=99999999999", b"busy", None)
-@example("RESOURCE_EXHAUSTED retry-after-ms=\u0661".encode(), b"busy", None)  # not ASCII
 @example(b"\xff\xfe", b"\xff", 2**32 - 1)
 def test_in_band_errors(code, message, size):
     try:

@@ -19,7 +19,7 @@ import pytest
 from prefix_store.config import DataPlaneLimits
 from prefix_store.data_plane import DataPlane
 from prefix_store.errors import LimitExceeded
-from prefix_store.protocol.frames import HEADER, read_error, redemption, token_key
+from prefix_store.protocol.frames import HEADER, InBandError, read_error, redemption, token_key
 from prefix_store.status import BUSY_RETRY_MS
 from tests.waiting import eventually
 
@@ -47,11 +47,11 @@ def connect(plane: DataPlane, timeout: float = 5.0, source: str = "127.0.0.1") -
     return sock
 
 
-def answer(sock: socket.socket) -> tuple[str, str]:
-    """The error frame the plane sends back (code, message, retry_after_ms)."""
+def answer(sock: socket.socket) -> InBandError:
+    """The error frame the plane sends back."""
     header = sock.recv(HEADER.size, socket.MSG_WAITALL)
-    _, _, _, size = HEADER.unpack(header)
-    return read_error(sock, size)
+    _, retry_after_ms, _, size = HEADER.unpack(header)
+    return read_error(sock, size, retry_after_ms)
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prefix_store import data_plane
 from prefix_store.config import DataPlaneLimits
 from prefix_store.errors import LimitExceeded, StoreError
 from tests.prefix_store.conftest import LAYOUT, random_kv
@@ -75,20 +76,29 @@ def test_a_stream_refused_for_good_fails_naming_the_limit(store, metadata):
             reader.fetch_layers(prefix, k, v)
 
 
-def test_a_put_refused_busy_by_the_data_plane_waits_and_lands(store, metadata):
+def test_a_put_refused_busy_by_the_data_plane_waits_and_lands(store, metadata, monkeypatch):
     """A tenant whose data-plane connection share at the shard is one, publishing over two
     streams: the second stream's connection is refused busy while the first one runs. The
-    put waits and tries again (it is not an exceeded quota), and the publish lands whole."""
+    put waits and tries again (it is not an exceeded quota), without quarantining the
+    shard, and the publish lands whole."""
+    refusals = []
+    refuse = data_plane.refuse
+    monkeypatch.setattr(
+        data_plane, "refuse", lambda conn, error: refusals.append(error) or refuse(conn, error)
+    )
     store.start(data_limits=DataPlaneLimits(max_connections=2))
     tokens = list(range(9000, 9000 + 16 * 8))
     kv = random_kv(LAYOUT, len(tokens), seed=5)
     with store.client(metadata.add_tenant("writer"), streams=2, retries=6) as client:
-        for attempt in range(3):  # each publish a new prefix: both streams race each time
+        for attempt in range(10):  # each a new prefix; both streams race each time
             mine = [t + 1000 * attempt for t in tokens]
             client.publish_prefix(mine, kv, LAYOUT)
             prefix = client.lookup(mine, LAYOUT)
             k, v = empty(prefix.tokens)
             client.fetch_layers(prefix, k, v)
-            assert torch.equal(k, kv[:, 0, :, : prefix.tokens]) and torch.equal(
-                v, kv[:, 1, :, : prefix.tokens]
-            )
+            assert torch.equal(k, kv[:, 0, :, : prefix.tokens])
+            assert torch.equal(v, kv[:, 1, :, : prefix.tokens])
+            if refusals:
+                break
+        assert refusals, "no stream was refused: the test did not test the refusal"
+        assert client.suspects() == frozenset()  # busy, not down

@@ -1,6 +1,6 @@
 """grpc.aio used from two event loops at once, against a real gRPC server on loopback:
 `quiet_grpc_wakeups` keeps grpc's spurious wake-up errors out of the log, and nothing
-else. (Without it, the first test's two loops logged about 330 errors for 600 calls.)"""
+else."""
 
 from __future__ import annotations
 
@@ -46,10 +46,14 @@ def asyncio_errors():
         logging.getLogger("asyncio").removeHandler(collect)
 
 
-def test_two_loops_log_no_spurious_wakeup_errors(health_server):
+def two_loops_calling(address: str, quiet: bool) -> list[str]:
+    """Two loops, each on a thread of its own, making CALLS grpc.aio calls to `address`
+    (every one answered); the asyncio log's errors meanwhile."""
+
     async def calls() -> None:
-        quiet_grpc_wakeups(asyncio.get_running_loop())
-        async with grpc.aio.insecure_channel(health_server) as channel:
+        if quiet:
+            quiet_grpc_wakeups(asyncio.get_running_loop())
+        async with grpc.aio.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             for _ in range(CALLS):
                 reply = await stub.Check(health_pb2.HealthCheckRequest())
@@ -57,8 +61,14 @@ def test_two_loops_log_no_spurious_wakeup_errors(health_server):
 
     with asyncio_errors() as errors, futures.ThreadPoolExecutor(2) as threads:
         for loop in [threads.submit(asyncio.run, calls()) for _ in range(2)]:
-            loop.result()  # each loop on a thread of its own, every call answered
-    assert errors == []
+            loop.result()
+    return errors
+
+
+def test_two_loops_log_no_spurious_wakeup_errors(health_server):
+    if not two_loops_calling(health_server, quiet=False):
+        pytest.skip("this grpcio no longer logs spurious wake-ups (grpc/grpc#25364)")
+    assert two_loops_calling(health_server, quiet=True) == []
 
 
 def test_other_errors_still_reach_the_log():

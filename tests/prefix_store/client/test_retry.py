@@ -1,8 +1,11 @@
 """The client's retry policy (`Attempts`, no I/O) on a busy refusal from the data plane
-(`LimitExceeded`): it waits at least what a busy server asks, never quarantines the shard,
-and reports the refusal itself, not UNAVAILABLE, when every attempt was refused."""
+(`LimitExceeded`): for puts it waits at least what a busy server asks, never quarantines
+the shard, and reports the refusal itself, not UNAVAILABLE, when every attempt was
+refused; for anything else it is raised at once."""
 
 from __future__ import annotations
+
+import pytest
 
 from prefix_store.client.retry import Attempts, retrying
 from prefix_store.config import ClientConfig
@@ -14,7 +17,7 @@ CONFIG = ClientConfig(retries=3, backoff_s=0.001, max_backoff_s=0.002)
 
 def test_a_busy_refusal_waits_without_quarantine_and_is_reported_as_such():
     quarantined = []
-    attempts = Attempts(CONFIG, ["shard-0"], quarantined.append)
+    attempts = Attempts(CONFIG, ["shard-0"], quarantined.append, wait_when_busy=True)
     refusal = LimitExceeded("data plane: the shard's connections are taken")
     waits = []
     for target in attempts:
@@ -32,4 +35,17 @@ def test_retrying_tries_again_after_a_busy_refusal():
             raise answer
         return answer
 
-    assert retrying(Attempts(CONFIG, ["shard-0"]), call) == "stored"
+    assert retrying(Attempts(CONFIG, ["shard-0"], wait_when_busy=True), call) == "stored"
+
+
+def test_without_waiting_a_busy_refusal_is_raised_at_once():
+    """Fetches move to a replica instead (`fetch_artifact`, `ArtifactSearch`)."""
+    calls = []
+
+    def call(target: str) -> str:
+        calls.append(target)
+        raise LimitExceeded("busy")
+
+    with pytest.raises(LimitExceeded):
+        retrying(Attempts(CONFIG, ["shard-0"]), call)
+    assert calls == ["shard-0"]

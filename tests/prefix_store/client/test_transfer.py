@@ -11,7 +11,7 @@ import pytest
 
 from prefix_store.client.transfer import in_band_error
 from prefix_store.errors import LimitExceeded, NotFound, QuotaExceeded
-from prefix_store.protocol.frames import ERROR, error_frame, read_frame_header
+from prefix_store.protocol.frames import ERROR, error_frame, read_error, read_frame_header
 from prefix_store.status import BUSY_RETRY_MS
 
 
@@ -20,9 +20,9 @@ def received(frame: bytes, fetch: bool):
     ours, theirs = socket.socketpair()
     with ours, theirs:
         theirs.sendall(frame)
-        magic, _, _, size = read_frame_header(ours)
+        magic, hint, _, size = read_frame_header(ours)
         assert magic == ERROR
-        return in_band_error(ours, size, fetch=fetch)
+        return in_band_error(ours, size, hint, fetch=fetch)
 
 
 @pytest.mark.parametrize("fetch", [False, True], ids=["put", "fetch"])
@@ -39,3 +39,12 @@ def test_an_unmarked_resource_exhausted_put_is_the_quota():
 
 def test_other_codes_keep_their_error():
     assert isinstance(received(error_frame("NOT_FOUND", "gone"), fetch=False), NotFound)
+
+
+def test_a_reader_before_the_mark_still_reads_the_code_and_message():
+    """The busy mark rides in the header's layer field, which readers before it ignore."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(error_frame("RESOURCE_EXHAUSTED", "busy", BUSY_RETRY_MS))
+        _, _, _, size = read_frame_header(ours)
+        assert read_error(ours, size) == ("RESOURCE_EXHAUSTED", "busy", None)
