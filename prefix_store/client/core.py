@@ -57,7 +57,7 @@ from prefix_store.client.plan import (
     settle,
     signed_chunks,
 )
-from prefix_store.client.retry import Attempts, backoff, rpc_error
+from prefix_store.client.retry import Attempts, backoff, busy_wait_s, rpc_error
 from prefix_store.config import ClientConfig
 from prefix_store.errors import (
     DataLoss,
@@ -70,7 +70,7 @@ from prefix_store.errors import (
 from prefix_store.layout import KVLayout
 from prefix_store.protocol.tokens import validate_tokens
 from prefix_store.provenance import Signer, Verifier
-from prefix_store.status import BUSY_RETRY_MS, FAILOVER, busy_retry_s
+from prefix_store.status import FAILOVER
 
 log = logging.getLogger("prefix_store.client")
 
@@ -215,17 +215,6 @@ def failover_error(error: BaseException) -> StoreError | None:
         return rpc_error(error) if error.code() in FAILOVER else None
     if isinstance(error, Unavailable | DataLoss | NotFound):
         return error
-    return None
-
-
-def busy_wait_s(error: BaseException) -> float | None:
-    """Seconds to wait when a fetch stream was refused by its shard's bounds (gRPC
-    RESOURCE_EXHAUSTED marked `retry-after-ms`, or the data plane's in-band refusal), so
-    that it tries a replica or waits instead of failing; None for any other failure."""
-    if isinstance(error, grpc.RpcError):
-        return busy_retry_s(error)
-    if isinstance(error, LimitExceeded):
-        return BUSY_RETRY_MS / 1000
     return None
 
 

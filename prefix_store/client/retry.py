@@ -42,6 +42,17 @@ def stopping(error: grpc.RpcError, target: str, method: str) -> Unavailable | No
     return Unavailable(f"{target} cancelled {method} (it is stopping)")
 
 
+def busy_wait_s(error: BaseException) -> float | None:
+    """Seconds to wait after a refusal by a shard's bounds (gRPC RESOURCE_EXHAUSTED marked
+    `retry-after-ms`, or the data plane's in-band refusal, `LimitExceeded`) before trying
+    it again or a replica; None for any other failure."""
+    if isinstance(error, grpc.RpcError):
+        return busy_retry_s(error)
+    if isinstance(error, LimitExceeded):
+        return BUSY_RETRY_MS / 1000
+    return None
+
+
 def retryable(error: grpc.RpcError | Unavailable) -> StoreError:
     """The error as a typed one if retrying may help; raises it at once otherwise."""
     if isinstance(error, Unavailable):
@@ -78,8 +89,10 @@ class Attempts:
 
     def failed(self, target: str, error: grpc.RpcError | Unavailable | LimitExceeded) -> float:
         """Seconds to wait before the next attempt; raises the typed error at once if no
-        retry can help."""
-        wait = BUSY_RETRY_MS / 1000 if isinstance(error, LimitExceeded) else busy_retry_s(error)
+        retry can help (a data-plane busy refusal too, unless `wait_when_busy`)."""
+        if isinstance(error, LimitExceeded) and not self.wait_when_busy:
+            raise error
+        wait = busy_wait_s(error)
         self.busy = wait is not None
         if isinstance(error, LimitExceeded):
             self.last = error
@@ -102,13 +115,11 @@ class Attempts:
 
 def retrying(attempts: Attempts, call: Callable[[str], T]) -> T:
     """`call(target)` on the targets in turn until one answers; UNAVAILABLE moves on, a busy
-    refusal waits first (a data-plane one only with `attempts.wait_when_busy`)."""
+    refusal waits first (see `Attempts.failed`)."""
     for target in attempts:
         try:
             return call(target)
         except (grpc.RpcError, Unavailable, LimitExceeded) as error:
-            if isinstance(error, LimitExceeded) and not attempts.wait_when_busy:
-                raise
             time.sleep(attempts.failed(target, error))
     raise attempts.exhausted()
 
@@ -119,7 +130,5 @@ async def retrying_async(attempts: Attempts, call: Callable[[str], Awaitable[T]]
         try:
             return await call(target)
         except (grpc.RpcError, Unavailable, LimitExceeded) as error:
-            if isinstance(error, LimitExceeded) and not attempts.wait_when_busy:
-                raise
             await asyncio.sleep(attempts.failed(target, error))
     raise attempts.exhausted()

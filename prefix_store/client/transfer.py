@@ -44,7 +44,7 @@ def in_band_error(
     sock: socket.socket, size: int, retry_after_ms: int = 0, fetch: bool = False
 ) -> StoreError:
     """The typed error of an in-band error frame. A refusal marked busy is `LimitExceeded`
-    (the plane's bounds: a fetch tries a replica or waits, see `client.core.busy_wait_s`; a
+    (the plane's bounds: a fetch tries a replica or waits, see `client.retry.busy_wait_s`; a
     put waits and tries again, see `retry.Attempts`), never `QuotaExceeded`. On a fetch
     every RESOURCE_EXHAUSTED is such a refusal (shards before the mark sent none)."""
     error = read_error(sock, size, retry_after_ms)
