@@ -1,4 +1,4 @@
-# Entry points: install, demo, test, test-fast, test-all, lint, proto, bench-decode,
+# Entry points: install, demo, test, test-fast, test-all, lint, proto, bench-summary, bench-decode,
 # bench-local, bench-store, bench-remote, bench-cluster, bench-footprint, load, chaos, attack,
 # fuzz.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 BUILTIN_MODEL_STAMP := $(VENV)/.model-ready
 KERNEL_STAMP := $(VENV)/.kernel-ready
 
-.PHONY: install demo test test-fast test-all lint format proto bench-decode bench-local bench-store bench-http \
+.PHONY: install demo test test-fast test-all lint format proto bench-summary bench-decode bench-local bench-store bench-http \
 	bench-remote bench-cluster bench-footprint load chaos attack fuzz clean
 
 install: $(STAMP) $(KERNEL_STAMP) $(BUILTIN_MODEL_STAMP)
@@ -96,6 +96,12 @@ PROTOS := $(wildcard proto/vericache/v1/*.proto)
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto/gen --pyi_out=proto/gen \
 		--grpc_python_out=proto/gen $(PROTOS)
+
+# A short run of every workload (the demo's, local, remote, cluster) and one table of
+# VeriCache against full KV, lossy decoding and the bound, each figure the median of 3 runs
+# with their range: about 40 minutes on 2 cores. The cluster rows need root.
+bench-summary: install
+	$(PY) bench/bench_summary.py
 
 bench-decode: install
 	$(PY) bench/bench_decode.py

@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import plots  # noqa: E402
+from bench.stats import spread, spreads_json  # noqa: E402
 from decoder.engine import Engine, EngineConfig, Request, prefill_prefix  # noqa: E402
 from decoder.loader import load_model  # noqa: E402
 from decoder.progress import note, progress  # noqa: E402
@@ -195,6 +196,7 @@ def _row(context, batch, mode, spec, res, full, lossy, prefill_s, horizon=None) 
         "compression_ratio": stats.get("compression_ratio", 1.0),
         "tok_s": round(res["tok_s"], 3),
         "vs_full": round(res["tok_s"] / full["tok_s"], 3),
+        "spread": spreads_json({"tok_s": spread(s["tok_s"] for s in res["samples"])}),
         "identical": identical,
         "first_divergence": divergence,
         "step_ms": round(1000 * res["step_s"], 2),  # vericache: mean draft step

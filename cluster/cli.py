@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV bytes per decoder (default: unlimited); the full-KV baseline needs room for "
         "the shared document's full KV",
     )
+    demo.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each mode, interleaved; above 1 the table gives medians and ranges",
+    )
+    demo.add_argument("--out", type=Path, help="also write the table here as JSON")
     demo.set_defaults(run=run_demo, parse=lambda ns: ns)
     store_cli.add_commands(sub)
     decoder_cli.add_commands(sub)
@@ -310,11 +317,21 @@ def run_demo(ns: argparse.Namespace) -> int:
     from cluster.demo import DemoConfig
     from cluster.demo import run_demo as demo
 
-    if ns.prefix_tokens < 256 or ns.requests < 1 or ns.max_new_tokens < 1:
-        raise UsageError("--prefix-tokens must be >= 256, --requests and --max-new-tokens >= 1")
+    if ns.prefix_tokens < 256 or min(ns.requests, ns.max_new_tokens, ns.repeats) < 1:
+        raise UsageError(
+            "--prefix-tokens must be >= 256, --requests, --max-new-tokens and --repeats >= 1"
+        )
     compressor = parse_compressor(ns.compressor)
     return demo(
-        DemoConfig(ns.prefix_tokens, ns.requests, ns.max_new_tokens, compressor, ns.kv_budget)
+        DemoConfig(
+            ns.prefix_tokens,
+            ns.requests,
+            ns.max_new_tokens,
+            compressor,
+            ns.kv_budget,
+            repeats=ns.repeats,
+            out=ns.out,
+        )
     )
 
 

@@ -12,6 +12,7 @@ against the full-KV output, token for token.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import statistics
 import sys
@@ -50,6 +51,12 @@ class DemoConfig:
     kv_budget: int | None = None
     """KV bytes per decoder (None: unlimited). The full-KV baseline needs room for the
     shared document's full KV."""
+    repeats: int = 1
+    """Runs of each mode, interleaved (full, lossy, vericache, full, ...) so that drift on a
+    shared machine touches every mode alike. Above 1 the table gives each mode's median
+    tokens/s with the range of its runs, and the other columns from its median run."""
+    out: Path | None = None
+    """Where to write the table as JSON as well (bench/bench_summary.py reads it)."""
 
 
 @dataclass
@@ -111,12 +118,15 @@ def run_demo(config: DemoConfig) -> int:
         _publish(endpoint, tokens["alice"], doc_prefix, "docs", config.compressor, say)
         _publish(endpoint, tokens["alice"], private_prefix, "", config.compressor, say)
         work = _workload(doc_prompts, private_prompts[0], tokens, config.requests)
-        runs = [_run_mode(endpoint, mode, work, config, say) for mode in MODES]
-    _report(runs, model, config)
-    vericache_ok = all(
-        r.tokens == f.tokens for r, f in zip(runs[2].replies, runs[0].replies, strict=True)
-    )
-    return 0 if vericache_ok else 1
+        runs = {mode: [] for mode in MODES}
+        for _ in range(config.repeats):
+            for mode in MODES:
+                runs[mode].append(_run_mode(endpoint, mode, work, config, say))
+    rows = _rows(runs)
+    _report(rows, runs, config)
+    if config.out is not None:
+        _write(config, rows)
+    return 0 if rows[-1]["identical"] == f"{len(work)}/{len(work)}" else 1
 
 
 def _regime(budget: int | None, full_kv: int) -> str:
@@ -226,32 +236,97 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _report(runs: list[ModeRun], model, config: DemoConfig) -> None:
-    full = runs[0]
-    full_rate = sum(len(r.tokens) for r in full.replies) / full.wall_s
+def _rows(runs: dict[str, list[ModeRun]]) -> list[dict]:
+    """One row per mode: its median tokens/s over its runs with their range, the ratio to
+    full KV's median, and the other figures from its median run (by tokens/s). A lossless
+    mode's requests count as identical only where every run equals every full run."""
+    full = runs["full"]
+    full_rate = statistics.median(_rate(run) for run in full)
+    middle = sorted(full, key=_rate)[(len(full) - 1) // 2]
+    rows = []
+    for mode, mode_runs in runs.items():
+        rates = sorted(_rate(run) for run in mode_runs)
+        run = sorted(mode_runs, key=_rate)[(len(mode_runs) - 1) // 2]
+        verifications = _total(run, "verifications")
+        rows.append(
+            {
+                "mode": mode,
+                "tok_s": statistics.median(rates),
+                "vs_full": statistics.median(rates) / full_rate,
+                # bench/stats.py's shape: what bench_summary reads
+                "spread": {
+                    "tok_s": {
+                        "median": statistics.median(rates),
+                        "min": rates[0],
+                        "max": rates[-1],
+                        "runs": len(rates),
+                    }
+                },
+                "runs": len(mode_runs),
+                "p50_s": statistics.median(run.latencies),
+                "p95_s": _pct(run.latencies, 0.95),
+                "accepted_per_verification": (
+                    _total(run, "accepted") / verifications if verifications else None
+                ),
+                "pulled_per_token": _total(run, "pulled_bytes") / max(1, _generated(run)),
+                "bound": _bound(run, middle),
+                "policy": _policy(run),
+                "modelled_gain": _median_stat(run, "modelled_gain"),
+                "split": _split(run),
+                "identical": None if mode == "full" else _identical_to_full(mode_runs, full),
+            }
+        )
+    return rows
+
+
+def _rate(run: ModeRun) -> float:
+    return _generated(run) / run.wall_s
+
+
+def _generated(run: ModeRun) -> int:
+    return sum(len(r.tokens) for r in run.replies)
+
+
+def _median_stat(run: ModeRun, key: str) -> float | None:
+    """The median over the run's requests of a figure some of them report (else None)."""
+    values = [r.stats[key] for r in run.replies if r.stats.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _total(run: ModeRun, key: str) -> float:
+    return sum(r.stats.get(key, 0) for r in run.replies)
+
+
+def _report(rows: list[dict], runs: dict[str, list[ModeRun]], config: DemoConfig) -> None:
+    repeated = config.repeats > 1
     print()
+    if repeated:
+        print(f"medians of {config.repeats} runs per mode, interleaved; min-max: tok/s over them")
     header = (
-        f"{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'p50 s':>7s} {'p95 s':>7s} "
-        f"{'acc/verif':>9s} {'pulled/tok':>11s} {'bound':>6s} {'policy':>10s} {'split':>5s}"
-        "  identical to full"
+        f"{'mode':10s} {'tok/s':>7s} {'min-max':>13s} {'vs full':>8s} {'p50 s':>7s} "
+        if repeated
+        else f"{'mode':10s} {'tok/s':>7s} {'vs full':>8s} {'p50 s':>7s} "
+    ) + (
+        f"{'p95 s':>7s} {'acc/verif':>9s} {'pulled/tok':>11s} {'bound':>6s} {'policy':>10s} "
+        f"{'split':>5s}  identical to full"
     )
     print(header)
     print("-" * len(header))
-    for run in runs:
-        generated = sum(len(r.tokens) for r in run.replies)
-        rate = generated / run.wall_s
-        pulled = sum(r.stats.get("pulled_bytes", 0) for r in run.replies) / max(1, generated)
-        verifications = sum(r.stats.get("verifications", 0) for r in run.replies)
-        accepted = sum(r.stats.get("accepted", 0) for r in run.replies)
-        acc = f"{accepted / verifications:.2f}" if verifications else "-"
-        bound = _bound(run, full)
+    for row in rows:
+        acc = row["accepted_per_verification"]
+        bound = row["bound"]
+        tok_s = row["spread"]["tok_s"]
+        spread_text = f"{tok_s['min']:.2f}-{tok_s['max']:.2f}".rjust(13) + " " if repeated else ""
         print(
-            f"{run.mode:10s} {rate:7.2f} {rate / full_rate:7.2f}x "
-            f"{statistics.median(run.latencies):7.1f} {_pct(run.latencies, 0.95):7.1f} "
-            f"{acc:>9s} {_human(pulled):>11s} {f'{bound:.2f}x' if bound else '-':>6s} "
-            f"{_policy(run):>10s} {_split(run):>5s}  {_identical_to_full(run, full)}"
+            f"{row['mode']:10s} {row['tok_s']:7.2f} {spread_text}{row['vs_full']:7.2f}x "
+            f"{row['p50_s']:7.1f} {row['p95_s']:7.1f} "
+            f"{'-' if acc is None else f'{acc:.2f}':>9s} {_human(row['pulled_per_token']):>11s} "
+            f"{f'{bound:.2f}x' if bound else '-':>6s} "
+            f"{row['policy']:>10s} {row['split']:>5s}  {row['identical'] or 'reference'}"
         )
-    served = Counter(r.stats.get("worker", "?") for run in runs for r in run.replies)
+    served = Counter(
+        r.stats.get("worker", "?") for mode_runs in runs.values() for r in mode_runs[0].replies
+    )
     print("\nserved by (through the router, by prefix affinity): " + ", ".join(
         f"{worker} {count}" for worker, count in sorted(served.items())))  # fmt: skip
     print(
@@ -261,12 +336,19 @@ def _report(runs: list[ModeRun], model, config: DemoConfig) -> None:
     )
     print()
     print(f"request 1 (vericache, tenant alice, shared document): {QUESTIONS[0]}")
-    print(runs[2].replies[0].text.strip())
+    print(runs["vericache"][0].replies[0].text.strip())
     print(
         "\nLarger: vericache demo --prefix-tokens 8000 --requests 16 --max-new-tokens 128 "
         "(about 6 minutes on 2 cores); make bench-remote for the full comparison."
     )
     sys.stdout.flush()
+
+
+def _write(config: DemoConfig, rows: list[dict]) -> None:
+    settings = {k: v for k, v in vars(config).items() if k != "out"}
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    config.out.write_text(json.dumps({"config": settings, "rows": rows}, indent=1))
+    print(f"wrote {config.out}")
 
 
 def _bound(run: ModeRun, full: ModeRun) -> float | None:
@@ -304,17 +386,20 @@ def _policy(run: ModeRun) -> str:
     return f"{reason} {100 * n / sum(rounds.values()):.0f}%"
 
 
-def _identical_to_full(run: ModeRun, full: ModeRun) -> str:
-    """The table's last cell: "reference" for the full run itself (never compared with
-    itself); else how many replies equal full's token for token ("2/3"), and where the
-    others diverged."""
-    if run is full:
-        return "reference"
-    pairs = list(zip(run.replies, full.replies, strict=True))
-    where = [_diverges(r.tokens, f.tokens) for r, f in pairs if r.tokens != f.tokens]
-    verdict = f"{len(pairs) - len(where)}/{len(pairs)}"
+def _identical_to_full(runs: list[ModeRun], full: list[ModeRun]) -> str:
+    """The table's last cell for a mode other than full: how many requests equal full's
+    token for token in every run of both ("2/3"), and where the others diverged (first
+    run pair that differs)."""
+    n = len(full[0].replies)
+    where = {}
+    for run in runs:
+        for reference in full:
+            for i, (r, f) in enumerate(zip(run.replies, reference.replies, strict=True)):
+                if r.tokens != f.tokens and i not in where:
+                    where[i] = _diverges(r.tokens, f.tokens)
+    verdict = f"{n - len(where)}/{n}"
     if where:
-        verdict += " (diverged at token " + ", ".join(str(w) for w in where) + ")"
+        verdict += " (diverged at token " + ", ".join(str(where[i]) for i in sorted(where)) + ")"
     return verdict
 
 

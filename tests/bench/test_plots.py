@@ -1,8 +1,9 @@
 """Benchmark plots (PNG beside the JSON) and progress bars (stderr, terminals only).
 
-A short real `bench_local` run writes its JSON and its figures; each figure function draws
-from synthetic rows and skips, saying why, when its data is absent; progress bars appear
-only on a terminal or when forced, so logs and pipes stay clean."""
+A short real `bench_local` run writes its JSON (which bench-summary reads) and its
+figures; each figure function draws from synthetic rows and skips, saying why, when its
+data is absent; progress bars appear only on a terminal or when forced, so logs and pipes
+stay clean."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import plots
+from bench import bench_summary, plots
 from cluster.decoder_cli import _with_progress
 from decoder import progress as progress_module
 
@@ -59,6 +60,10 @@ def test_a_short_bench_local_run_writes_json_then_pngs_and_no_bar(tmp_path):
     horizons = [r["horizon"] for r in rows if r["mode"] == "vericache"]
     assert horizons == ["auto", 2, 4]
     assert all(sum(r["accepted_histogram"].values()) == r["verifications"] for r in rows[2:])
+    # what bench-summary reads of it: each VeriCache row against full and lossy
+    summary = bench_summary.rows_of(bench_summary.from_local(json.loads(out.read_text())))
+    assert [r.mode for r in summary] == ["vericache", "vericache horizon 2", "vericache horizon 4"]
+    assert all(r.identical == "1/1" and r.lossy is not None for r in summary)
     for suffix in ("horizon", "accepted"):
         png = tmp_path / f"local-{suffix}.png"
         assert_png(png)
