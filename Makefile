@@ -99,7 +99,7 @@ proto: install
 
 # A short run of every workload (the demo's, local, remote, cluster) and one table of
 # VeriCache against full KV, lossy decoding and the bound, each figure the median of 3 runs
-# with their range: about 40 minutes on 2 cores. The cluster rows need root.
+# with their range: about 35 minutes on 2 cores. The cluster rows need root.
 bench-summary: install
 	$(PY) bench/bench_summary.py
 

@@ -27,7 +27,7 @@ policy's choice: its row is shown and checked for identity, but "pinned, not jud
 
 Usage: python bench/bench_summary.py [--repeats 3] [--steps demo local remote cluster]
        [--out bench/results/summary.json] [--from-results]
-About 40 minutes on 2 cores; `--from-results` prints the table again from the JSON of an
+About 35 minutes on 2 cores; `--from-results` prints the table again from the JSON of an
 earlier run without running anything.
 """
 
@@ -355,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             elif (failure := run_step(step, command)) is not None:
                 skipped[step] = failure
     rows = summarise(args.out, args.steps, skipped)
-    print(f"\nmedians of {args.repeats} runs [lowest-highest]; target {TARGET:.2f}x full KV\n")
+    runs = sorted({n for r in rows for n in (r.full.runs, r.vericache.runs)}) or [args.repeats]
+    print(f"\nmedians of {'/'.join(map(str, runs))} runs [lowest-highest]; "
+          f"target {TARGET:.2f}x full KV\n")  # fmt: skip
     print(markdown(rows, skipped))
     if not args.from_results:
         meta = {
