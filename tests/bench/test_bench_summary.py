@@ -1,6 +1,6 @@
 """bench_summary's table: each VeriCache mode against its workload's full and lossy rows,
 the ratio with the range its runs allow, and a verdict against the 0.97x target that
-counts noise only where the runs spread and reach it, and calls any non-identical output
+counts a miss as noise only within half the runs' spread, and calls any non-identical output
 a failure whatever its speed. The rows come from the benches' own JSON shapes."""
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ def test_a_row_compares_medians_and_gives_the_range_the_runs_allow():
     ("vericache", "verdict"),
     [
         (_runs(9.7, 9.7, 9.7), "meets"),  # 0.97x exactly
-        (_runs(9.0, 9.5, 10.0), "noise"),  # 0.95x, runs spread 10%, the best run reaches 1.0x
+        (_runs(9.0, 9.5, 10.0), "noise"),  # 0.95x: 2% short, within half the runs' 10.5%
         (_runs(9.5, 9.5, 9.5), "below"),  # 0.95x, no spread on either side
-        (_runs(8.0, 8.5, 9.0), "below"),  # spread, but even the best run is 0.9x
+        (_runs(8.0, 8.5, 9.0), "below"),  # 12% short, half the spread is 6%
+        (_runs(7.0, 7.2, 10.0), "below"),  # one fast run does not make a 0.72x median noise
     ],
 )
-def test_the_verdict_holds_the_median_to_the_target_and_noise_only_where_runs_reach_it(
+def test_the_verdict_holds_the_median_to_the_target_and_noise_only_within_half_the_spread(
     vericache, verdict
 ):
     assert _summary(_runs(10.0, 10.0, 10.0), vericache).verdict == verdict
@@ -106,3 +107,15 @@ def test_the_table_lists_skipped_steps_and_the_results_reread(tmp_path, capsys):
     assert "| vericache | 10.00 | 9.00 [9.00-9.00] | **0.90x** [0.90-0.90] |" in table
     assert "| below |" in table
     assert "| cluster | - | - | - | no results at" in table
+
+
+def test_a_failure_the_run_recorded_is_shown_again_from_its_results(tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    rows = _compared([_row("full", [[1]], 10.0), _row("vericache", [[1]], 10.0)])
+    bench_summary.step_path(out, "remote").write_text(json.dumps({"rows": rows}))
+    failed = "failed: exit status 1; its rows above are what it wrote"
+    out.write_text(json.dumps({"rows": [], "skipped": {"remote": failed}}))
+    status = bench_summary.main(["--from-results", "--steps", "remote", "--out", str(out)])
+    table = capsys.readouterr().out
+    assert status == 1
+    assert "| meets |" in table and f"| remote | - | - | - | {failed} |" in table
