@@ -82,6 +82,8 @@ class NearData:
         self.pulled_passes = 0
         """Passes pulled since near-data was last tried (`auto` placement)."""
         self.recent: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.recent_waits: collections.deque[float] = collections.deque(maxlen=RECENT)
+        """Whole waits for partials of the same passes, shards' compute included."""
         """Transfer waits of the latest near-data passes (their wait for partials less the
         shards' compute)."""
         layout = prefix.layout
@@ -99,6 +101,14 @@ class NearData:
         passes' waits (a suffix prefill's many rows make its pass no typical one); what
         `auto` placement and resident copies weigh against pulling."""
         return min(self.recent, default=0.0)
+
+    @property
+    def wait_s(self) -> float:
+        """What a near-data pass keeps the decoder waiting, the shards' compute included: the
+        least of the recent passes' waits. A resident copy saves all of it (local attention
+        over a few rows is a small part of it, and on a machine shared with the shards their
+        compute takes the decoder's own cores)."""
+        return min(self.recent_waits, default=0.0)
 
     @property
     def head_tokens(self) -> int:
@@ -203,5 +213,6 @@ class RemotePass:
             session.close()
         near = self.near
         near.recent.append(max(0.0, self.stats.wire_s - self.stats.shard_s))
+        near.recent_waits.append(self.stats.wire_s)
         near.stats.add(self.stats)
         return self.stats

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 PAYBACK_PASSES = 16
 """A near-data prefix is made resident only when its pull costs at most this many near-data
-passes' transfer waits (DESIGN.md section 4)."""
+passes' waits (DESIGN.md section 4)."""
 
 
 class Residency:
@@ -129,7 +129,8 @@ class Residency:
         """Whether reading the prefix's full KV here once pays, for a prefix its passes can
         attend near the data: once two near-data passes were measured, when the pull (its bytes
         at the pull bandwidth measured here) costs at most `PAYBACK_PASSES` near-data
-        passes' transfer waits. On a slow link near-data passes are cheaper than the copy."""
+        passes' waits (`NearData.wait_s`: a resident pass waits for none of it, the shards'
+        compute included). On a slow link near-data passes are cheaper than the copy."""
         near = group.near
         if near is None or self.config.placement == "pull":
             return True
@@ -139,7 +140,7 @@ class Residency:
         bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
         if not bandwidth:
             return True
-        return group.source.nbytes / bandwidth <= PAYBACK_PASSES * max(near.transfer_s, 1e-3)
+        return group.source.nbytes / bandwidth <= PAYBACK_PASSES * max(near.wait_s, 1e-3)
 
     def demote(self, group: PrefixGroup) -> None:
         """Drop a resident copy: the group's passes pull again (the staging ring was charged
