@@ -42,13 +42,14 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.stats import Spread  # noqa: E402
+from bench.stats import Spread, row_spread  # noqa: E402
 
 TARGET = 0.97
 """The ratio to full KV every VeriCache row must reach: never slower than full KV (DESIGN.md
@@ -208,10 +209,6 @@ def rows_of(measured: list[Measured]) -> list[Row]:
 # --- each bench's JSON, read into `Measured` --------------------------------------------------
 
 
-def _spread(row: dict, key: str) -> Spread:
-    return Spread.from_json(row["spread"][key])
-
-
 def from_demo(data: dict) -> list[Measured]:
     config = data["config"]
     workload = (
@@ -219,7 +216,7 @@ def from_demo(data: dict) -> list[Measured]:
         "router, 2 decoders"
     )
     return [
-        Measured(workload, row["mode"], _spread(row, "tok_s"), row["identical"], row["bound"])
+        Measured(workload, row["mode"], row_spread(row, "tok_s"), row["identical"], row["bound"])
         for row in data["rows"]
     ]
 
@@ -243,43 +240,38 @@ def from_local(data: dict) -> list[Measured]:
             )
         pinned = row["horizon"] not in ("auto", "-")
         measured.append(
-            Measured(workload, mode, _spread(row, "tok_s"), identical, row.get("bound"), not pinned)
+            Measured(
+                workload, mode, row_spread(row, "tok_s"), identical, row.get("bound"), not pinned
+            )
         )
     return measured
+
+
+def _from_service(data: dict, workload: Callable[[dict, int], str]) -> list[Measured]:
+    """Rows in bench_remote's shape (bench_cluster's too), each named `workload(row,
+    requests)`."""
+    return [
+        Measured(
+            workload(row, len(row["tokens"])),
+            row["mode"],
+            row_spread(row, "tokens_per_s"),
+            row["identical"],
+            row.get("bound"),
+        )
+        for row in data["rows"]
+    ]
 
 
 def from_remote(data: dict) -> list[Measured]:
-    measured = []
-    for row in data["rows"]:
-        requests = len(row["tokens"])
-        workload = f"remote {row['workload']}: {requests} requests, {row['budget_label']}"
-        measured.append(
-            Measured(
-                workload,
-                row["mode"],
-                _spread(row, "tokens_per_s"),
-                row["identical"],
-                row.get("bound"),
-            )
-        )
-    return measured
+    return _from_service(
+        data, lambda row, n: f"remote {row['workload']}: {n} requests, {row['budget_label']}"
+    )
 
 
 def from_cluster(data: dict) -> list[Measured]:
-    measured = []
-    for row in data["rows"]:
-        requests = len(row["tokens"])
-        workload = f"cluster {row['workload']}: {requests} requests over a {row['link']} link"
-        measured.append(
-            Measured(
-                workload,
-                row["mode"],
-                _spread(row, "tokens_per_s"),
-                row["identical"],
-                row.get("bound"),
-            )
-        )
-    return measured
+    return _from_service(
+        data, lambda row, n: f"cluster {row['workload']}: {n} requests over a {row['link']} link"
+    )
 
 
 READERS = {"demo": from_demo, "local": from_local, "remote": from_remote, "cluster": from_cluster}
