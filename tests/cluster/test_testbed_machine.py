@@ -70,3 +70,48 @@ def test_no_free_subnet_is_a_fault(monkeypatch):
     used = "".join(f"inet 10.213.{i}.1/24\n" for i in range(1, 255))
     monkeypatch.setattr(testbed.subprocess, "run", finished(0, stdout=used))
     assert "no free /24" in str(fault(testbed.free_subnet))
+
+
+def ray_up_failing(monkeypatch, *errors: str) -> list[str]:
+    """A `LocalCluster` whose `ray up` fails with `errors` in turn, then succeeds (every
+    node joins at once); returns the log of its `ray` calls."""
+    calls: list[str] = []
+
+    def cli(self, *args, timeout):
+        calls.append(args[0])
+        failures = calls.count("up")
+        if args[0] == "up" and failures <= len(errors):
+            raise RuntimeError(f"ray up failed:\n{errors[failures - 1]}")
+        return ""
+
+    monkeypatch.setattr(testbed.LocalCluster, "render", lambda self: self.config)
+    monkeypatch.setattr(testbed.LocalCluster, "cli", cli)
+    monkeypatch.setattr(testbed.LocalCluster, "down", lambda self: calls.append("down"))
+    monkeypatch.setattr(testbed.LocalCluster, "alive_nodes", lambda self: 1 + len(self.workers))
+    return calls
+
+
+def local_cluster(tmp_path) -> testbed.LocalCluster:
+    from types import SimpleNamespace
+
+    bed = SimpleNamespace(directory=tmp_path, hosts={}, tag="t")
+    return testbed.LocalCluster(bed, tmp_path, head="head", storage=["s1"])
+
+
+def test_a_head_that_missed_rays_startup_wait_is_brought_up_again(monkeypatch, tmp_path):
+    timed_out = "Exception: The current node timed out during startup. This could happen"
+    calls = ray_up_failing(monkeypatch, timed_out)
+    local_cluster(tmp_path).up()
+    assert calls == ["up", "down", "up"]
+
+
+def test_ray_up_gives_up_after_its_attempts_and_on_any_other_failure(monkeypatch, tmp_path):
+    timed_out = "The current node timed out during startup."
+    calls = ray_up_failing(monkeypatch, timed_out, timed_out)
+    with pytest.raises(RuntimeError, match="timed out during startup"):
+        local_cluster(tmp_path).up()
+    assert calls == ["up", "down", "up"]
+    calls = ray_up_failing(monkeypatch, "SSH command failed: no route to host")
+    with pytest.raises(RuntimeError, match="no route to host"):
+        local_cluster(tmp_path).up()
+    assert calls == ["up"]
