@@ -55,14 +55,21 @@ def decoder(service, token) -> DecoderClient:
     return DecoderClient(service.decoders[0], token)
 
 
+_REFERENCES: dict[tuple, list[int]] = {}
+
+
 def reference(builtin_runner, builtin_model, ids, sampling=None):
-    return generate_full(
-        builtin_runner,
-        [ids],
-        max_new_tokens=NEW,
-        eos_token_ids=builtin_model.eos_token_ids,
-        sampling=SamplingParams(**(sampling or {})),
-    )[0].tokens
+    """In-process full-KV decoding of `ids` (NEW tokens), once per prompt and sampler."""
+    key = (tuple(ids), tuple(sorted((sampling or {}).items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = generate_full(
+            builtin_runner,
+            [ids],
+            max_new_tokens=NEW,
+            eos_token_ids=builtin_model.eos_token_ids,
+            sampling=SamplingParams(**(sampling or {})),
+        )[0].tokens
+    return list(_REFERENCES[key])
 
 
 def test_publish_then_remote_vericache_equals_full_kv(
