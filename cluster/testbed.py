@@ -433,12 +433,6 @@ def _run(argv: list[str], quiet: bool = False) -> None:
 # ---- Ray clusters on the hosts ----------------------------------------------------------
 
 
-RAY_STARTUP_TIMED_OUT = "timed out during startup"
-"""What `ray start` prints when its new raylet has not registered with the GCS within Ray's
-fixed 30 s (ray._private.node, not configurable): seen for the head of `ray up` on 2 cores
-while the suite's three workers kept them busy (the same run passed alone)."""
-
-
 class LocalCluster:
     """`ray up` of cluster/local.yaml onto testbed hosts, as an operator runs it.
 
@@ -499,19 +493,10 @@ class LocalCluster:
         self.config.write_text(yaml.safe_dump(config))
         return self.config
 
-    def up(self, timeout_s: float = 600, attempts: int = 2) -> None:
-        """`ray up`, then wait until every host's Ray node has joined. A head whose raylet
-        missed Ray's own startup wait (`RAY_STARTUP_TIMED_OUT`) is taken down and brought up
-        again, `attempts` times in all; any other failure raises at once."""
+    def up(self, timeout_s: float = 600) -> None:
+        """`ray up`, then wait until every host's Ray node has joined."""
         self.render()
-        for attempt in range(1, attempts + 1):
-            try:
-                self.cli("up", "-y", "--no-config-cache", str(self.config), timeout=timeout_s)
-                break
-            except RuntimeError as error:
-                if RAY_STARTUP_TIMED_OUT not in str(error) or attempt == attempts:
-                    raise
-                self.down()
+        self.cli("up", "-y", "--no-config-cache", str(self.config), timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
         while self.alive_nodes() < 1 + len(self.workers):
             if time.monotonic() > deadline:
