@@ -248,10 +248,33 @@ def provision_secrets(config: NodeConfig) -> None:
         load_or_create_credential(internal_token_file())
 
 
+RAY_STARTUP_TIMED_OUT = "timed out during startup"
+"""What `ray start` prints when its new raylet has not registered with the GCS within Ray's
+fixed 30 s (ray._private.node; no setting changes it). On a busy host this is a slow start,
+not a fault: seen for `ray up`'s nodes on 2 cores kept busy by other work."""
+START_ATTEMPTS = 2
+
+
 def run_start(config: NodeConfig) -> int:
+    """`ray start` for this host's role; a start that missed Ray's registration wait is
+    stopped (`ray stop --force`: what it left on this host) and run again, `START_ATTEMPTS`
+    times in all. Each attempt's output is printed when it ends."""
     ip = node_ip(config)
     command = ray_start_command(config, ip)
     env = {**os.environ, **ray_environment(config)}
     provision_secrets(config)
+    for _ in range(START_ATTEMPTS - 1):
+        done = _ray_start(command, env)
+        if done.returncode == 0 or RAY_STARTUP_TIMED_OUT not in done.stdout + done.stderr:
+            return done.returncode
+        print("vericache node: Ray's node missed its startup wait; starting it again", flush=True)
+        subprocess.run([command[0], "stop", "--force"], env=env, capture_output=True)
+    return _ray_start(command, env).returncode
+
+
+def _ray_start(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     print("vericache node:", " ".join(command[1:]), flush=True)
-    return subprocess.run(command, env=env).returncode
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    print(done.stdout, end="", flush=True)
+    print(done.stderr, end="", file=sys.stderr, flush=True)
+    return done

@@ -433,6 +433,10 @@ def _run(argv: list[str], quiet: bool = False) -> None:
 # ---- Ray clusters on the hosts ----------------------------------------------------------
 
 
+AUTOSCALER_LOG = "/tmp/ray/session_latest/logs/monitor.log"
+"""Where the head's autoscaler (which starts the worker hosts) logs, on the head host."""
+
+
 class LocalCluster:
     """`ray up` of cluster/local.yaml onto testbed hosts, as an operator runs it.
 
@@ -500,7 +504,11 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while self.alive_nodes() < 1 + len(self.workers):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker hosts did not join within {timeout_s:.0f} s")
+                log = self.bed.hosts[self.head].ssh(f"tail -n 40 {AUTOSCALER_LOG}", check=False)
+                raise RuntimeError(
+                    f"the worker hosts did not join within {timeout_s:.0f} s; the head's "
+                    f"autoscaler log ends:\n{log.stdout}{log.stderr}"
+                )
             time.sleep(3)
 
     def alive_nodes(self) -> int:

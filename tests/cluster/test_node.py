@@ -18,7 +18,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from cluster import ray_auth
+from cluster import node_cli, ray_auth
 from cluster.cli import build_parser, main
 from cluster.node_cli import NodeConfig, provision_secrets, ray_environment, ray_start_command
 from tests.cluster.conftest import driver
@@ -190,3 +190,41 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def ray_starts_failing(monkeypatch, *outputs: tuple[int, str]) -> list[list[str]]:
+    """`ray` commands as `node start` runs them: each `ray start` exits with the next of
+    `outputs` (exit status, stderr), then succeeds; returns the commands run."""
+    ran: list[list[str]] = []
+
+    def run(command, **_):
+        ran.append(command)
+        starts = sum(c[1] == "start" for c in ran)
+        code, err = (
+            outputs[starts - 1] if command[1] == "start" and starts <= len(outputs) else (0, "")
+        )
+        return subprocess.CompletedProcess(command, code, "", err)
+
+    monkeypatch.setattr(node_cli.subprocess, "run", run)
+    return ran
+
+
+TIMED_OUT = "Exception: The current node timed out during startup. This could happen because"
+
+
+def test_a_start_that_missed_rays_startup_wait_is_stopped_and_run_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path))
+    ran = ray_starts_failing(monkeypatch, (1, TIMED_OUT))
+    assert node_cli.run_start(NodeConfig(head=True, ip="127.0.0.1")) == 0
+    assert [c[1:3] for c in ran] == [["start", "--disable-usage-stats"], ["stop", "--force"],
+                                     ["start", "--disable-usage-stats"]]  # fmt: skip
+
+
+def test_node_start_fails_after_its_attempts_and_at_once_on_another_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERICACHE_HOME", str(tmp_path))
+    ran = ray_starts_failing(monkeypatch, (1, TIMED_OUT), (1, TIMED_OUT))
+    assert node_cli.run_start(NodeConfig(head=True, ip="127.0.0.1")) == 1
+    assert [c[1] for c in ran] == ["start", "stop", "start"]
+    ran = ray_starts_failing(monkeypatch, (1, "ConnectionError: GCS at 10.0.0.1:6379 is down"))
+    assert node_cli.run_start(NodeConfig(head=True, ip="127.0.0.1")) == 1
+    assert [c[1] for c in ran] == ["start"]
