@@ -94,15 +94,19 @@ else:
 """
 
 
-def driver(address: str, env: dict[str, str], home: Path) -> str:
+def driver(address: str, env: dict[str, str], home: Path, timeout_s: float = 120) -> str:
     """What a fresh Ray driver process with `env` (and its own empty home: no token file
-    of Ray's own) gets from the cluster at `address`."""
+    of Ray's own) gets from the cluster at `address`: "connected: N", "refused: ERROR", or
+    "timed out" after `timeout_s`."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, address],
-        env={**clean, "HOME": str(home), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", DRIVER, address],
+            env={**clean, "HOME": str(home), **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return "timed out"
     return done.stdout.strip().splitlines()[-1]

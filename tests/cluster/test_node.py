@@ -178,10 +178,13 @@ def test_a_head_started_by_node_start_refuses_a_driver_without_the_token(tmp_pat
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def wait_connected(address: str, env: dict, home: Path, timeout_s: float = 90) -> bool:
+def wait_connected(address: str, env: dict, home: Path, timeout_s: float = 240) -> bool:
+    """Whether a driver connects within `timeout_s`. Each try gets at most 60 s, then a
+    fresh driver tries: under the full suite on 2 cores one driver, started while the head
+    was starting, hung in `ray.init` past its 120 s."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if driver(address, env, home).startswith("connected"):
+    while (left := deadline - time.monotonic()) > 0:
+        if driver(address, env, home, timeout_s=min(60, left)).startswith("connected"):
             return True
     return False
 
