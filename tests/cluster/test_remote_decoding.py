@@ -18,6 +18,7 @@ from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
+from tests.references import full_kv_tokens
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.cluster
@@ -55,21 +56,10 @@ def decoder(service, token) -> DecoderClient:
     return DecoderClient(service.decoders[0], token)
 
 
-_REFERENCES: dict[tuple, list[int]] = {}
-
-
 def reference(builtin_runner, builtin_model, ids, sampling=None):
-    """In-process full-KV decoding of `ids` (NEW tokens), once per prompt and sampler."""
-    key = (tuple(ids), tuple(sorted((sampling or {}).items())))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = generate_full(
-            builtin_runner,
-            [ids],
-            max_new_tokens=NEW,
-            eos_token_ids=builtin_model.eos_token_ids,
-            sampling=SamplingParams(**(sampling or {})),
-        )[0].tokens
-    return list(_REFERENCES[key])
+    """In-process full-KV decoding of `ids` (NEW tokens; `sampling`: SamplingParams fields)."""
+    sampler = SamplingParams(**(sampling or {}))
+    return full_kv_tokens(builtin_runner, builtin_model, ids, NEW, sampler)
 
 
 def test_publish_then_remote_vericache_equals_full_kv(

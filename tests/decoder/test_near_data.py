@@ -10,11 +10,11 @@ import textwrap
 import pytest
 
 from decoder.engine import Engine, EngineConfig, Prefix, Request, prefill_prefix
-from decoder.generate import generate_full
 from decoder.near_data import NearData
 from decoder.sampling import SamplingParams
 from decoder.store_source import StoreKVSource, kv_layout, publish_source
 from tests.prefix_store.conftest import Store
+from tests.references import full_kv_tokens
 
 pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
@@ -39,22 +39,8 @@ def prompts(builtin_model):
     return [source[:700], source[300:1000]]  # 691- and 691-token prefixes: 2 full chunks each
 
 
-_references: dict[tuple[tuple[int, ...], SamplingParams], list[int]] = {}
-
-
 def full_kv(builtin_model, builtin_runner, prompt, sampling) -> list[int]:
-    """In-process full-KV decoding of `prompt`, computed once per prompt and sampling in
-    this module (most tests check against the same two prompts)."""
-    key = (tuple(prompt), sampling)
-    if key not in _references:
-        _references[key] = generate_full(
-            builtin_runner,
-            [prompt],
-            max_new_tokens=NEW_TOKENS,
-            eos_token_ids=builtin_model.eos_token_ids,
-            sampling=sampling,
-        )[0].tokens
-    return list(_references[key])
+    return full_kv_tokens(builtin_runner, builtin_model, prompt, NEW_TOKENS, sampling)
 
 
 def one_chunk(stats) -> float:

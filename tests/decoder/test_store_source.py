@@ -9,10 +9,10 @@ import textwrap
 import pytest
 
 from decoder.engine import Engine, EngineConfig, Prefix, Request, prefill_prefix
-from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.store_source import StoreKVSource, kv_layout, publish_source
 from tests.prefix_store.conftest import Store
+from tests.references import full_kv_tokens
 
 NEW_TOKENS = 24
 
@@ -39,13 +39,7 @@ def test_decoding_over_the_store_is_token_for_token_full_kv(
 ):
     prompt = builtin_model.encode(inspect.getsource(textwrap))[:700]
     local = prefill_prefix(builtin_runner, prompt[:-9], observe=128)
-    want = generate_full(
-        builtin_runner,
-        [prompt],
-        max_new_tokens=NEW_TOKENS,
-        eos_token_ids=builtin_model.eos_token_ids,
-        sampling=sampling,
-    )[0].tokens
+    want = full_kv_tokens(builtin_runner, builtin_model, prompt, NEW_TOKENS, sampling)
     token = metadata.add_tenant("decoder")
     layout = kv_layout(builtin_model.config, builtin_model.fingerprint)
     with shards.client(token) as client:
