@@ -15,7 +15,6 @@ from cluster.paths import PRIVATE_UMASK
 from cluster.roles import STORAGE_RESOURCE  # noqa: E402,F401 - re-exported
 from prefix_store import faults
 from prefix_store.config import ShardConfig
-from prefix_store.server import ShardServer
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
@@ -24,6 +23,8 @@ class ShardActor:
         os.umask(PRIVATE_UMASK)  # its files (blobs, caches) are the service user's alone
         if config.host == "0.0.0.0" and config.advertise_host is None:
             config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
+        from prefix_store.server import ShardServer  # in the actor: its driver needs no torch
+
         self.server = ShardServer(config, redis_url)
 
     def start(self) -> str:

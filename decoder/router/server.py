@@ -37,7 +37,7 @@ from decoder.router.members import Members, least
 from decoder.router.policies import make_policy
 from decoder.router.relay import Diverged, Forwarded, Relay
 from decoder.service.clients import StoreClients
-from decoder.service.server import decoder_service
+from decoder.service.endpoint import decoder_service
 from decoder.service.status import STATUS as DECODER_STATUS
 from prefix_store.metrics import metrics_endpoint
 from prefix_store.status import busy_retry_s

@@ -21,7 +21,6 @@ import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-import grpc
 from vericache.v1 import decoder_pb2 as dpb
 
 from decoder.compressors import parse_compressor
@@ -41,6 +40,7 @@ from decoder.service.config import (
     MAX_STOPS,
     DecoderConfig,
 )
+from decoder.service.endpoint import decoder_service
 from decoder.service.status import STATUS, BadRequest
 from decoder.service.worker import (
     DecoderWorker,
@@ -51,12 +51,11 @@ from decoder.service.worker import (
 )
 from prefix_store.client import StoreClient
 from prefix_store.metrics import metrics_endpoint
-from rpc.handler import Call, Gate, serialize, streaming, unary
+from rpc.handler import Call, Gate, streaming, unary
 from rpc.limits import CallLimits
-from rpc.server import grpc_server, parse
+from rpc.server import parse
 
 log = logging.getLogger(__name__)
-SERVICE = "vericache.v1.Decoder"
 REQUESTS = {"Generate": dpb.GenerateRequest, "Publish": dpb.PublishRequest, "Info": dpb.InfoRequest}
 """The request message of each method."""
 
@@ -257,36 +256,6 @@ class DecoderServicer:
     @unary
     def Info(self, request, call: Call):
         return info_message(self.worker.info())
-
-
-def handlers(servicer: DecoderServicer) -> grpc.GenericRpcHandler:
-    """The service's method table, as the generated `add_DecoderServicer_to_server` builds
-    it, except that requests stay bytes: each handler authenticates before it parses."""
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                servicer.Generate, response_serializer=serialize
-            ),
-            "Publish": grpc.unary_unary_rpc_method_handler(
-                servicer.Publish, response_serializer=serialize
-            ),
-            "Info": grpc.unary_unary_rpc_method_handler(
-                servicer.Info, response_serializer=serialize
-            ),
-        },
-    )
-
-
-def decoder_service(servicer, workers: int, host: str, port: int, tls, name: str):
-    """A gRPC server serving the Decoder service with `servicer` (a decoder's or a
-    router's: the same methods), health checking and reflection, bound to host:port (TLS
-    when `tls`); (server, the port bound)."""
-    options = [("grpc.max_receive_message_length", 64 << 20)]
-    return grpc_server(
-        handlers(servicer), SERVICE, f"{host}:{port}", tls, workers=workers, name=name,
-        options=options,
-    )  # fmt: skip
 
 
 class DecoderServer:

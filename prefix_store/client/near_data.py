@@ -27,12 +27,11 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
-from numerics.cpu import partials as attention
 from prefix_store.blob import crc32c
 from prefix_store.client.core import ClientCore, exhausted, failover_error
 from prefix_store.client.plan import CachedPrefix, ChunkPlan, Topology, group_by_owner
@@ -47,6 +46,11 @@ from prefix_store.errors import (
     Unavailable,
 )
 from prefix_store.protocol.attend import FLOAT32, MAX_ROWS
+
+if TYPE_CHECKING:
+    import torch
+
+    from numerics.cpu import partials as attention
 
 
 def full_chunks(prefix: CachedPrefix) -> tuple[ChunkPlan, ...]:
@@ -174,6 +178,8 @@ class AttendRoute:
 
     def query(self, layer: int, q: torch.Tensor) -> Query:
         """The query of `q` ([rows, heads, head_dim] float32, rotated and scaled)."""
+        import torch  # only near-data decoding needs torch: routers and gateways never do
+
         layout = self.prefix.layout
         if not 0 <= layer < layout.num_layers:
             raise InvalidArgument(f"layer: {layer} is not in [0, {layout.num_layers})")
@@ -215,8 +221,14 @@ class AttendRoute:
                 "corrupted (CRC-32C mismatch in transit)"
             )
 
-    def assemble(self, query: Query, answers: Sequence[tuple[AttendPart, pb.AttendResponse]]):
+    def assemble(
+        self, query: Query, answers: Sequence[tuple[AttendPart, pb.AttendResponse]]
+    ) -> attention.Partials:
         """The session's `attention.Partials` in chunk order, from every part's answer."""
+        import torch
+
+        from numerics.cpu import partials as attention
+
         c, t, h, d = len(self.chunks), query.rows, self.heads, self.prefix.layout.head_dim
         m, l_ = torch.empty(c, t, h), torch.empty(c, t, h)  # [C, T, H]
         acc = torch.empty(c, t, h, d)  # [C, T, H, D]
@@ -235,6 +247,8 @@ class AttendRoute:
 
 def floats(data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
     """A read-only float32 view of received bytes (the kernel's little-endian layout)."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read
         return torch.frombuffer(data, dtype=torch.float32).view(shape)

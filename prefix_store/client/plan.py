@@ -8,9 +8,9 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.blob import crc32c
@@ -34,6 +34,9 @@ from prefix_store.provenance import (
     content_hasher,
     token_digests,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def rendezvous(placement_key: int, shard_ids: Sequence[str], replicas: int) -> list[str]:
@@ -209,6 +212,8 @@ def as_layers(kv, layout: KVLayout, tokens: int) -> list[tuple[torch.Tensor, tor
 def byte_rows(t: torch.Tensor) -> np.ndarray:
     """A KV tensor [kv_heads, tokens, head_dim] as a uint8 array [kv_heads, tokens, row
     bytes] over the same memory (numpy slicing is ~10x cheaper than torch's)."""
+    import torch
+
     return t.detach().cpu().contiguous().view(torch.uint8).numpy()
 
 
@@ -386,6 +391,8 @@ class Assembly:
 
     def apply(self, chunks: Sequence[ChunkPlan], raw: bytes) -> None:
         """Write the segments of one serialised FetchResponse (views, no parse copies)."""
+        import torch
+
         layout = self.prefix.layout
         if self.stopped:
             raise Aborted("fetch: the transfer was cancelled or failed elsewhere")
@@ -414,6 +421,8 @@ class Assembly:
         of consecutive chunks one contiguous writable region), each region with its pieces:
         (position in `chunks`, view) per chunk. A chunk's pieces come in its stored order (K
         heads, then V heads). Needs contiguous outputs."""
+        import torch
+
         row = layer - self.layer_start
         regions = []
         for t in (self.k_out, self.v_out):

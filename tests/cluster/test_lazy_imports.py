@@ -55,3 +55,17 @@ def test_tenant_commands_need_only_redis(redis_server):
             f"    assert main({command + ['--redis-url', redis_server.url]!r}) == 0"
         )
         assert imported_after(code) == ["redis"], command
+
+
+def test_processes_that_handle_no_tensors_import_no_torch():
+    """The router, the LMCache gateway, the store SDK and the deployment driver (`vericache
+    serve`, `status`, `stop`) start without the model runtime: about 2.5 CPU-seconds and
+    200 MB less per process. Shards and decoders load it where they use it."""
+    for module in (
+        "cluster.router_actor",
+        "cluster.gateway_actor",
+        "cluster.serve",
+        "prefix_store.client",
+        "decoder.service.client",
+    ):
+        assert "torch" not in imported_after(f"import {module}"), module
