@@ -66,6 +66,7 @@ class ModelRunner:
         self._draft: _Linears | None = None  # built at the first fast forward
         self._draft_lock = threading.Lock()
         self._released = False
+        self._held_bytes: int | None = None  # `weight_bytes` less the draft copy, once counted
 
     @classmethod
     def consuming(
@@ -92,6 +93,7 @@ class ModelRunner:
         runner.rope = RopeTable(config.rope, config.head_dim)
         runner.scale = 1.0 / math.sqrt(config.head_dim)
         runner._draft, runner._draft_lock = None, threading.Lock()
+        runner._held_bytes = None
         runner._exact_checked, runner._exact_problem = not runner.rc.self_check, None
         first = [next(layers) for _ in range(min(2, config.num_layers))]
         check_shapes(config, head.embed, first, head.lm_head)
@@ -138,31 +140,18 @@ class ModelRunner:
         before = self.weights.nbytes
         self.weights = self.weights.without_linears()
         self._released = True
+        self._held_bytes = None
         return before - self.weights.nbytes
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this runner holds, every form counted once per storage: the
-        unpacked tensors it keeps, the packed linears, the draft copy."""
-        seen: dict[object, int] = {}
-
-        def count(t: torch.Tensor) -> None:
-            if t.numel():
-                try:
-                    key: object = t.data_ptr()
-                except RuntimeError:  # an opaque (oneDNN-packed) tensor: its own storage
-                    key = ("opaque", id(t))
-                seen[key] = t.numel() * t.element_size()
-
-        w = self.weights
-        for t in (w.embed, w.final_norm, w.lm_head):
-            count(t)
-        for layer in w.layers:
-            for t in layer.tensors():
-                count(t)
-        for linear in [self.lm_head] + [f for layer in self.layers for f in layer.linears]:
-            count(linear.weight)
-        return sum(seen.values()) + self.draft_weight_bytes
+        unpacked tensors it keeps, the packed linears, the draft copy. Counted once per
+        form of the weights (Info reports it on every router poll)."""
+        if self._held_bytes is None:
+            linears = [self.lm_head] + [f for layer in self.layers for f in layer.linears]
+            self._held_bytes = storage_bytes(self.weights, linears)
+        return self._held_bytes + self.draft_weight_bytes
 
     @property
     def draft_weight_bytes(self) -> int:
@@ -589,3 +578,25 @@ def _picked_rows(which: Logits, start: int, end: int) -> torch.Tensor:
     if which == "last":
         return torch.tensor([end - 1])
     return torch.empty(0, dtype=torch.long)
+
+
+def storage_bytes(weights: ModelWeights, linears) -> int:
+    """Bytes of the weights' tensors and the packed `linears`' weights, each storage once."""
+    seen: dict[object, int] = {}
+
+    def count(t: torch.Tensor) -> None:
+        if t.numel():
+            try:
+                key: object = t.data_ptr()
+            except RuntimeError:  # an opaque (oneDNN-packed) tensor: its own storage
+                key = ("opaque", id(t))
+            seen[key] = t.numel() * t.element_size()
+
+    for t in (weights.embed, weights.final_norm, weights.lm_head):
+        count(t)
+    for layer in weights.layers:
+        for t in layer.tensors():
+            count(t)
+    for linear in linears:
+        count(linear.weight)
+    return sum(seen.values())
