@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
+from decoder.sampling import SamplingParams
+from tests.references import full_kv_tokens
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -41,9 +43,12 @@ def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_r
     assert stats["tokens_per_s"] > 0
 
 
-def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
+def test_vericache_json_equals_full_with_seeded_sampling(tmp_path, builtin_model, builtin_runner):
+    """The full-KV reference is in-process (the CLI's own full mode is checked against it
+    above); the CLI's vericache run must equal it token for token."""
+    text = Path(__file__).read_text(encoding="utf-8")[:2500]
     prompt = tmp_path / "code.py"
-    prompt.write_text(Path(__file__).read_text(encoding="utf-8")[:2500], encoding="utf-8")
+    prompt.write_text(text, encoding="utf-8")
     common = [
         "--prompt-file",
         str(prompt),
@@ -57,9 +62,9 @@ def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
         "--seed",
         "11",
     ]
-    full = run_cli("generate", "--mode", "full", *common)
-    assert full.returncode == 0, full.stderr
-    outputs = {"full": json.loads(full.stdout)}
+    sampling = SamplingParams(temperature=0.7, top_k=40, seed=11)
+    want = full_kv_tokens(builtin_runner, builtin_model, builtin_model.encode(text), 24, sampling)
+    outputs = {}
     for mode in ("vericache", "lossy"):
         proc = run_cli(
             "generate",
@@ -73,8 +78,8 @@ def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr
         outputs[mode] = json.loads(proc.stdout)
-    assert outputs["vericache"]["tokens"] == outputs["full"]["tokens"]
-    assert outputs["vericache"]["text"] == outputs["full"]["text"]
+    assert outputs["vericache"]["tokens"] == want
+    assert outputs["vericache"]["text"] == builtin_model.decode(want)
     stats = outputs["vericache"]["stats"]
     assert stats["mode"] == "vericache" and stats["seed"] == 11
     assert stats["compressor"] == (
@@ -98,15 +103,15 @@ def test_vericache_json_equals_full_with_seeded_sampling(tmp_path):
     assert len(outputs["lossy"]["tokens"]) == 24
 
 
-def test_ngram_guesses_change_no_token(tmp_path):
+def test_ngram_guesses_change_no_token(tmp_path, builtin_model, builtin_runner):
     """`--ngram` in full mode (guesses verified by the exact pass) and in vericache mode
-    (checked by the drafter, then verified): the full-KV tokens, with guesses taken."""
+    (checked by the drafter, then verified): the full-KV tokens (in-process), with guesses
+    taken."""
+    text = Path(__file__).read_text(encoding="utf-8")[:2000]
     prompt = tmp_path / "code.py"
-    prompt.write_text(Path(__file__).read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    prompt.write_text(text, encoding="utf-8")
     common = ["--prompt-file", str(prompt), "--max-new-tokens", "32", "--json"]
-    full = run_cli("generate", "--mode", "full", *common)
-    assert full.returncode == 0, full.stderr
-    want = json.loads(full.stdout)["tokens"]
+    want = full_kv_tokens(builtin_runner, builtin_model, builtin_model.encode(text), 32)
     for mode in ("full", "vericache"):
         proc = run_cli("generate", "--mode", mode, "--ngram", "6", *common)
         assert proc.returncode == 0, proc.stderr

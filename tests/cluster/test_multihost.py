@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from cluster.testbed import LocalCluster, Testbed, TestbedConfig, TestbedUnsupported
-from decoder.generate import generate_full
 from decoder.loader import default_cache_dir
 from decoder.service.client import DecoderClient, GenerateReply
 from decoder.store_source import kv_layout
 from prefix_store.client import StoreClient
 from tests.cluster.conftest import DRIVER
+from tests.references import full_kv_tokens
 
 pytestmark = [pytest.mark.multihost, pytest.mark.cluster]
 
@@ -96,9 +96,7 @@ def document(builtin_model):
 
 
 def reference(runner, model, ids, new=NEW):
-    return generate_full(runner, [ids], max_new_tokens=new, eos_token_ids=model.eos_token_ids)[
-        0
-    ].tokens
+    return full_kv_tokens(runner, model, ids, new)
 
 
 def test_ray_up_places_the_service_on_its_hosts(testbed, cluster):

@@ -18,7 +18,7 @@ from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
 from prefix_store.errors import InvalidArgument, NotFound, Unauthenticated
-from tests.references import full_kv_tokens
+from tests.references import full_kv_batch, full_kv_tokens
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.cluster
@@ -136,8 +136,8 @@ def test_shared_namespace_concurrent_tenants_batch_equals_solo(
         t.start()
     for t in threads:
         t.join()
-    for i, p in enumerate(prompts):
-        want = reference(builtin_runner, builtin_model, p)
+    wants = full_kv_batch(builtin_runner, builtin_model, prompts, NEW)
+    for i, want in enumerate(wants):
         assert solo[i].tokens == want and replies[i].tokens == want
         assert replies[i].stats["cached_tokens"] == len(doc_ids)
     # One pulled copy served requests verifying together: less pulled than solo runs.

@@ -21,10 +21,10 @@ import torch
 
 from decoder.compressors import CompressedKV, DenseLayer, parse_compressor
 from decoder.compressors.artifact import from_bytes, to_bytes, validate
-from decoder.generate import generate_full
 from decoder.service.client import DecoderClient, GenerateReply
 from decoder.store_source import kv_layout
 from prefix_store.client import StoreClient
+from tests.references import full_kv_tokens
 
 pytestmark = pytest.mark.cluster
 
@@ -60,12 +60,6 @@ def published(service, tenants, prompts):
         with DecoderClient(service.decoders[0], tenants[name]) as client:
             client.publish(token_ids=prompts[name][0])
     return prompts
-
-
-def reference(builtin_runner, builtin_model, ids, new):
-    return generate_full(
-        builtin_runner, [ids], max_new_tokens=new, eos_token_ids=builtin_model.eos_token_ids
-    )[0].tokens
 
 
 def _zero_layers(spec: str, tokens: int, model) -> CompressedKV:
@@ -126,11 +120,11 @@ def test_a_malformed_artifact_fails_no_request(
         replies.append(client.generate(token_ids=prompt, max_new_tokens=NEW, compressor=spec))
     thread.join(timeout=600)
     assert not errors, errors
-    want = reference(builtin_runner, builtin_model, prompt, NEW)
+    want = full_kv_tokens(builtin_runner, builtin_model, prompt, NEW)
     for reply in replies:  # the first rebuilt the artifact; the second used the rebuilt one
         assert reply.tokens == want
         assert reply.stats["cached_tokens"] == len(doc) and reply.stats["verifications"] >= 1
-    assert other.tokens == reference(builtin_runner, builtin_model, published["b"][1], LONG)
+    assert other.tokens == full_kv_tokens(builtin_runner, builtin_model, published["b"][1], LONG)
     # The rebuilt artifact replaced the malformed one in the store, for every worker.
     with StoreClient(endpoints, tenants["a"]) as store:
         stored = from_bytes(store.fetch_artifact(store.lookup(doc, layout), spec))

@@ -16,10 +16,10 @@ import pytest
 import ray
 
 from cluster.cli import main
-from decoder.generate import generate_full
 from decoder.service.client import DecoderClient, GenerateReply
 from prefix_store.config import MiB
 from tests.cluster.conftest import deployed
+from tests.references import full_kv_batch
 
 pytestmark = pytest.mark.cluster
 
@@ -50,12 +50,7 @@ def test_a_decoder_killed_mid_stream_loses_nothing(
     token = metadata.add_tenant("router-a")
     text = inspect.getsource(textwrap)
     prompts = [builtin_model.encode(text[i * 2500 :])[:300] for i in range(4)]
-    want = [
-        generate_full(
-            builtin_runner, [p], max_new_tokens=NEW, eos_token_ids=builtin_model.eos_token_ids
-        )[0].tokens
-        for p in prompts
-    ]
+    want = full_kv_batch(builtin_runner, builtin_model, prompts, NEW)
     router = service.routers[0]
     replies = [GenerateReply() for _ in prompts]
     pieces: list[list[list[int]]] = [[] for _ in prompts]

@@ -204,21 +204,16 @@ def test_resident_and_pulled_prefixes_give_identical_tokens(
     for result, nbytes in zip(resident, full_bytes, strict=True):
         assert result.stats["pulled_bytes"] == nbytes  # read once, then resident
 
-    pulled = Engine(
-        builtin_runner,
-        EngineConfig(mode="vericache", horizon=8, resident=False),
-        builtin_model.eos_token_ids,
-    ).run(requests())
-    assert [r.tokens for r in pulled] == want
-    assert all(r.stats["pulled_bytes"] > 2 * n for r, n in zip(pulled, full_bytes, strict=True))
-
-    # Room for the compressed copies, tails and staging, plus about two full prefixes.
     engine = Engine(
         builtin_runner,
         EngineConfig(mode="vericache", horizon=8, resident=False),
         builtin_model.eos_token_ids,
     )
-    engine.run(requests())
+    pulled = engine.run(requests())
+    assert [r.tokens for r in pulled] == want
+    assert all(r.stats["pulled_bytes"] > 2 * n for r, n in zip(pulled, full_bytes, strict=True))
+
+    # Room for the compressed copies, tails and staging, plus about two full prefixes.
     tight = engine.budget.peak + 2 * max(full_bytes) + len(split) * 300_000
     some = Engine(
         builtin_runner,

@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 
-from decoder.generate import generate_full
 from decoder.http.config import HttpConfig
 from decoder.internal import load_or_create_credential
 from decoder.router import RouterConfig, RouterServer
@@ -27,6 +26,7 @@ from prefix_store.limits import CallBounds
 from prefix_store.metadata import Metadata
 from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
+from tests.references import full_kv_tokens
 from tests.waiting import eventually
 
 MODEL = "smollm2-135m-instruct"
@@ -81,10 +81,7 @@ def api(redis_server, tmp_path_factory, builtin_model):
 
 
 def reference(runner, model, prompt, new=NEW, sampling=None) -> list[int]:
-    result = generate_full(
-        runner, [prompt], max_new_tokens=new, eos_token_ids=model.eos_token_ids, sampling=sampling
-    )
-    return result[0].tokens  # an EOS is a completion token, as OpenAI counts them
+    return full_kv_tokens(runner, model, prompt, new, sampling)  # an EOS is a completion token
 
 
 def test_chat_completions_are_full_kv_outputs_streamed_or_not(api, builtin_model, builtin_runner):

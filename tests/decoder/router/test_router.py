@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from decoder.generate import generate_full
 from decoder.router import RouterConfig, RouterServer
 from decoder.router.identity import prefix_identity
 from decoder.router.policies.affinity import rendezvous
@@ -21,6 +20,7 @@ from decoder.service.config import MAX_NEW_TOKENS
 from prefix_store.config import ClientConfig
 from prefix_store.errors import NotFound, Unauthenticated
 from tests.decoder.service.conftest import serve
+from tests.references import full_kv_tokens
 
 NEW = 12
 
@@ -66,9 +66,7 @@ def documents(model, count: int) -> list[list[int]]:
 
 
 def reference(runner, model, prompt, sampling=None):
-    return generate_full(
-        runner, [prompt], max_new_tokens=NEW, eos_token_ids=model.eos_token_ids, sampling=sampling
-    )[0].tokens
+    return full_kv_tokens(runner, model, prompt, NEW, sampling)
 
 
 def owner(doc, salt, decoders):
@@ -111,9 +109,7 @@ def test_a_decoder_stopped_mid_stream_is_replaced_without_a_gap(
     router = start_router(store, decoders)
     token = metadata.add_tenant("alice")
     prompt = documents(builtin_model, 1)[0]
-    want = generate_full(
-        builtin_runner, [prompt], max_new_tokens=24, eos_token_ids=builtin_model.eos_token_ids
-    )[0].tokens
+    want = full_kv_tokens(builtin_runner, builtin_model, prompt, 24)
     first = owner(prompt, client_salt(store, token), decoders)
     victim = next(d for d in decoders if d.address == first)
     pieces, stopped = [], threading.Event()

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 
-from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
 from tests.decoder.service.conftest import serve
+from tests.references import full_kv_tokens
 
 NEW = 4
 
@@ -24,8 +24,7 @@ def documents(model, count: int, tokens: int) -> list[list[int]]:
 
 
 def reference(runner, model, prompt):
-    eos = model.eos_token_ids
-    return generate_full(runner, [prompt], max_new_tokens=NEW, eos_token_ids=eos)[0].tokens
+    return full_kv_tokens(runner, model, prompt, NEW)
 
 
 def idle_charges(worker) -> int:

@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 
-from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
+from tests.references import full_kv_tokens
 
 pytestmark = pytest.mark.fused_kernel  # skips only where the CPU cannot run it
 
@@ -32,10 +32,7 @@ def shards(redis_server, metadata, tmp_path):
 
 
 def reference(runner, model, prompt, sampling=None):
-    eos = model.eos_token_ids
-    return generate_full(
-        runner, [prompt], max_new_tokens=NEW, eos_token_ids=eos, sampling=sampling
-    )[0].tokens
+    return full_kv_tokens(runner, model, prompt, NEW, sampling)
 
 
 def test_near_data_replies_equal_full_kv_for_tenants_and_namespaces(

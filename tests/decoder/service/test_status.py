@@ -22,7 +22,6 @@ from vericache.v1 import decoder_pb2_grpc as dpb_grpc
 from cluster.redis_server import RedisServer
 from decoder.compressors import parse_compressor
 from decoder.compressors.artifact import FORMAT, from_bytes, validate
-from decoder.generate import generate_full
 from decoder.service.client import DecoderClient
 from decoder.store_source import kv_layout
 from prefix_store.errors import StoreError, Unavailable
@@ -30,6 +29,7 @@ from prefix_store.metadata import Metadata
 from prefix_store.status import REQUEST_ID
 from tests.decoder.service.conftest import serve
 from tests.prefix_store.conftest import Store
+from tests.references import full_kv_tokens
 
 NEW = 8
 SNAPKV_200 = "snapkv:window=200"  # wider than the 128 queries a local prefill observes
@@ -79,8 +79,7 @@ def document(model, tokens: int) -> list[int]:
 
 
 def reference(runner, model, prompt: list[int]) -> list[int]:
-    eos = model.eos_token_ids
-    return generate_full(runner, [prompt], max_new_tokens=NEW, eos_token_ids=eos)[0].tokens
+    return full_kv_tokens(runner, model, prompt, NEW)
 
 
 @pytest.mark.parametrize("tokens", [300, 40], ids=["window-inside-prompt", "prompt-shorter"])
