@@ -9,7 +9,6 @@ over gRPC with health checking and reflection, converting protobufs to the worke
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,20 +17,20 @@ if TYPE_CHECKING:
     from decoder.service.server import DecoderServer
     from decoder.service.worker import DecoderWorker
 
-_HOMES = {
-    "DecoderClient": "decoder.service.client",
-    "GenerateReply": "decoder.service.client",
-    "DecoderConfig": "decoder.service.config",
-    "DecoderServer": "decoder.service.server",
-    "DecoderWorker": "decoder.service.worker",
-}
-"""Each name's module, imported on first use: a process that only talks to decoders (the
-router, the SDK, the CLI) never loads the model runtime (torch) the server and worker need."""
-
 __all__ = ["DecoderClient", "DecoderConfig", "DecoderServer", "DecoderWorker", "GenerateReply"]
 
 
 def __getattr__(name: str):
-    if name not in _HOMES:
+    """Each name imported on first use: a process that only talks to decoders (the router,
+    the SDK, the CLI) never loads the model runtime (torch) the server and worker need."""
+    if name in ("DecoderClient", "GenerateReply"):
+        from decoder.service import client as module
+    elif name == "DecoderConfig":
+        from decoder.service import config as module
+    elif name == "DecoderServer":
+        from decoder.service import server as module
+    elif name == "DecoderWorker":
+        from decoder.service import worker as module
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+    return getattr(module, name)
