@@ -91,8 +91,9 @@ def first_json(text: str):
 
 @pytest.fixture(scope="module")
 def document(builtin_model):
-    """A ~1200-token source file: the prefix."""
-    return builtin_model.decode(builtin_model.encode(inspect.getsource(textwrap))[:1200])
+    """A ~700-token source file: the prefix (two full 256-token chunks and a partial one,
+    spread over both storage hosts)."""
+    return builtin_model.decode(builtin_model.encode(inspect.getsource(textwrap))[:700])
 
 
 def reference(runner, model, ids, new=NEW):
@@ -137,7 +138,7 @@ def test_publish_on_one_host_generate_on_others(
         f"source ~/.bashrc; vericache publish --endpoint {decoder} --token {token} "
         "--file /tmp/doc.txt --compressor snapkv:budget=0.125 --json"
     )
-    assert first_json(published.stdout)["tokens"] > 1000
+    assert first_json(published.stdout)["tokens"] > 600
 
     question = "\n# Question: what does dedent do?\n"
     prompt_ids = builtin_model.encode(document + question)
@@ -145,7 +146,7 @@ def test_publish_on_one_host_generate_on_others(
     with DecoderClient(decoder, token) as client:  # from outside the cluster
         reply = client.generate(token_ids=prompt_ids, max_new_tokens=NEW)
     assert reply.tokens == want
-    assert reply.stats["cached_tokens"] > 1000 and reply.stats["mode"] == "vericache"
+    assert reply.stats["cached_tokens"] > 600 and reply.stats["mode"] == "vericache"
 
     (other.directory / "tmp" / "prompt.txt").write_text(document + question)
     out = other.ssh(
@@ -223,7 +224,7 @@ def test_shaped_links_limit_pulls_and_decoding_stays_exact(
                 seconds = time.perf_counter() - started
             # the pull crossed both shaped links and no faster than they allow (a slower
             # machine only lowers the rate; the buckets add 2 x 0.5 MB of burst)
-            assert pulled > 40e6 and pulled / seconds <= 2 * rate * 1.1
+            assert pulled > 25e6 and pulled / seconds <= 2 * rate * 1.1
             reply = client.generate(token_ids=prompt, max_new_tokens=NEW)
             assert reply.tokens == want and reply.stats["pulled_bytes"] > 0
         finally:
