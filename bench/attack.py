@@ -135,6 +135,8 @@ class AttackConfig:
     new_tokens: int = 8
     shards: int = 2
     decoders: int = 1
+    decoder_threads: int | None = None
+    """torch threads per decoder (None: the node's cores)."""
     memory_bytes: int = 256 * MiB
     """Memory tier per shard."""
     kv_budget: int = 512 * MiB
@@ -145,7 +147,8 @@ class AttackConfig:
         """The victim (tenant 0) and the benign neighbour (tenant 1), as `bench/load.py`
         sets tenants up (prompts published through the decoder, prefixes stored)."""
         return LoadConfig(tenants=2, shards=self.shards, decoders=self.decoders,
-                          new_tokens=self.new_tokens, prefixes=3, seed=self.seed)  # fmt: skip
+                          decoder_threads=self.decoder_threads, new_tokens=self.new_tokens,
+                          prefixes=3, seed=self.seed)  # fmt: skip
 
 
 def quick(config: AttackConfig) -> AttackConfig:

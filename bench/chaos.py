@@ -172,6 +172,7 @@ def chaos_deployment(config: LoadConfig, own_disk: bool) -> Iterator[Deployment]
             serve = ServeConfig(
                 shards=config.shards,
                 decoders=config.decoders,
+                decoder_threads=config.decoder_threads,
                 memory_bytes=16 * MiB,  # the load spills to disk
                 disk_bytes=DISK_TIER,
                 state_dir=state,

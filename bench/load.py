@@ -80,6 +80,8 @@ class LoadConfig:
     seconds: float = 600.0
     shards: int = 2
     decoders: int = 1
+    decoder_threads: int | None = None
+    """torch threads per decoder (None: the node's cores, as `vericache serve`)."""
     new_tokens: int = 8
     prefixes: int = 3
     """Store prefixes per tenant that the clients read and publish again (the latest)."""
@@ -703,6 +705,7 @@ def deployment_for(config: LoadConfig, redis_url: str | None = None, **serve) ->
         settings = dict(
             shards=config.shards,
             decoders=config.decoders,
+            decoder_threads=config.decoder_threads,
             memory_bytes=256 * MiB,
             disk_bytes=512 * MiB,
             state_dir=Path(home) / "state",

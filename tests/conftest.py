@@ -17,8 +17,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # One intra-op thread per test process: the suite keeps both cores busy with its workers
 # and deployments, so a second thread adds synchronisation, not speed. On 2 cores the engine
 # matrix of test_engine took the same wall time alone with 1 thread as with 2, in 226 CPU-s
-# against 279. Multi-threaded decoding is still tested: decoder actors set their threads
-# explicitly, and test_kernels checks that thread counts change no bit.
+# against 279. The decoders of the tests' deployments get one thread too (their
+# `decoder_threads`: tests/cluster/conftest.py `deployed`, tests/bench). Multi-threaded
+# decoding is still tested: the multihost deployment's decoder runs on its host's cores (the
+# default), and test_kernels checks that thread counts change no bit.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray starts its worker processes (the deployments' decoder and shard actors) at nice 15, so
 # that its own daemons stay responsive. Beside three busy test workers at nice 0 that left a

@@ -28,7 +28,7 @@ DID = {
 
 
 def test_every_attack_runs_beside_a_checked_victim(redis_server, builtin_model, builtin_runner):
-    config = AttackConfig(seconds=3, rate=3, attack_rate=10, new_tokens=4)
+    config = AttackConfig(seconds=3, rate=3, attack_rate=10, new_tokens=4, decoder_threads=1)
     with attack_deployment(config, redis_server.url) as deployment:
         result = run(config, deployment, builtin_model, builtin_runner)
     phases = {p["phase"]: p for p in result["phases"]}

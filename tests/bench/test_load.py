@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cluster
 def test_a_short_load_loses_nothing_and_sends_no_wrong_token(
     redis_server, builtin_model, builtin_runner
 ):
-    config = LoadConfig(clients=6, tenants=2, seconds=20, prefixes=2)
+    config = LoadConfig(clients=6, tenants=2, seconds=20, prefixes=2, decoder_threads=1)
     with deployment_for(config, redis_server.url) as deployment:
         summary = run(config, deployment, builtin_model, builtin_runner)
     assert verdict(summary) == []

@@ -20,6 +20,7 @@ def deployed(redis_url: str | None, home: Path, **overrides):
     `redis_url` None, it starts its own Redis there."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VERICACHE_HOME", str(home))
+    overrides.setdefault("decoder_threads", 1)  # one torch thread, as every test process
     config = ServeConfig(redis_url=redis_url, state_dir=home / "state", **overrides)
     try:
         with Deployment(config) as deployment:
