@@ -12,8 +12,8 @@ if TYPE_CHECKING:
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 """The element types a layout may declare, with their sizes in bytes. Only `torch_dtype`
-needs torch: a shard, router or gateway that never handles tensors does not import it (about
-2.5 CPU-seconds and 200 MB per process)."""
+needs torch: a router, gateway or SDK user that never handles tensors does not import it
+(about 2.5 CPU-seconds and 190 MB per process)."""
 MAX_LAYERS = 1024
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024

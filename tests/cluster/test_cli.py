@@ -21,21 +21,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_json_matches_in_process_full_decoding(builtin_model, builtin_runner):
-    from decoder.generate import generate_full
-
     proc = run_cli("generate", "--prompt", "def square(x):", "--max-new-tokens", "12", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(out) == {"mode", "tokens", "text", "stats"}
     assert out["mode"] == "full"
-    expected = generate_full(
-        builtin_runner,
-        [builtin_model.encode("def square(x):")],
-        max_new_tokens=12,
-        eos_token_ids=builtin_model.eos_token_ids,
-    )[0]
-    assert out["tokens"] == expected.tokens
-    assert out["text"] == builtin_model.decode(expected.tokens)
+    expected = full_kv_tokens(
+        builtin_runner, builtin_model, builtin_model.encode("def square(x):"), 12
+    )
+    assert out["tokens"] == expected
+    assert out["text"] == builtin_model.decode(expected)
     stats = out["stats"]
     assert stats["generated_tokens"] == len(out["tokens"]) <= 12
     assert stats["prompt_tokens"] == len(builtin_model.encode("def square(x):"))

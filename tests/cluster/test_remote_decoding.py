@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from cluster.cli import main
-from decoder.generate import generate_full
 from decoder.sampling import SamplingParams
 from decoder.service.client import DecoderClient
 from prefix_store.client import StoreClient
@@ -268,13 +267,9 @@ def test_cli_publish_and_generate_endpoint(
     )
     out = json.loads(capsys.readouterr().out)
     ids = builtin_model.encode(prompt)
-    want = generate_full(
-        builtin_runner,
-        [ids],
-        max_new_tokens=12,
-        eos_token_ids=builtin_model.eos_token_ids,
-        sampling=SamplingParams(temperature=0.7, seed=5),
-    )[0].tokens
+    want = full_kv_tokens(
+        builtin_runner, builtin_model, ids, 12, SamplingParams(temperature=0.7, seed=5)
+    )
     assert out["tokens"] == want and out["stats"]["mode"] == "vericache"
     assert out["stats"]["cached_tokens"] > 0
     assert main([*args[:3], "--prompt", "x"]) == 2  # no token
@@ -292,9 +287,7 @@ def test_shard_lost_mid_request_replica_then_recompute(
     token = Metadata(service.redis_url).add_tenant("remote-shard-lost", 0)
     doc_ids = builtin_model.encode(document)
     prompt = doc_ids + builtin_model.encode("\n# Rewrite fill() in one line:\n")[1:]
-    want = generate_full(
-        builtin_runner, [prompt], max_new_tokens=64, eos_token_ids=builtin_model.eos_token_ids
-    )[0].tokens
+    want = full_kv_tokens(builtin_runner, builtin_model, prompt, 64)
     killed: list[int] = []
     try:
         with decoder(service, token) as client:

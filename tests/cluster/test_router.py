@@ -30,8 +30,7 @@ NEW = 24
 def service(redis_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("vericache-home")
     with deployed(
-        redis_server.url, home, shards=1, memory_bytes=512 * MiB, disk_bytes=0, decoders=2,
-        decoder_threads=1,
+        redis_server.url, home, shards=1, memory_bytes=512 * MiB, disk_bytes=0, decoders=2
     ) as deployment:  # fmt: skip
         yield deployment
 
