@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -28,13 +29,18 @@ import torch
 from decoder.staging import PrefixUnavailable
 from numerics.cpu.partials import Partials, kernel_fingerprint
 from prefix_store.client import CachedPrefix, StoreClient
+from prefix_store.errors import StoreError
 from prefix_store.protocol.attend import FLOAT32, MAX_ROWS
 
 RESPONSE_BYTES = 16 << 20
 """Partials one query may ask of a shard (shards refuse answers over their message limit,
 64 MiB by default): longer passes are split into several queries per layer."""
 FIELDS = ("m", "l", "acc")
+log = logging.getLogger(__name__)
 RECENT = 8
+PROBE_BYTES = 4 << 20
+"""What measuring the link's rate may read, once per decoder (`NearData._probe_link`): a
+third of a second at 100 Mbit/s, enough to be bandwidth-bound at 1 GB/s."""
 """Near-data passes whose transfer waits are remembered (`NearData.transfer_s`)."""
 
 
@@ -92,7 +98,8 @@ class NearData:
         """Rows sent in one query: the shards' row bound, and answers within RESPONSE_BYTES
         even when one shard holds every chunk."""
         self.head_bandwidth = 0.0
-        """Bytes per second the head's fetch achieved (0: not measured): a pull's cost."""
+        """Bytes per second the head's fetch achieved (0: not measured). A few tokens' fetch
+        is mostly one round trip: a floor of the link's rate (`pull_bandwidth`)."""
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -135,6 +142,33 @@ class NearData:
         nbytes = self.client.fetch_layers(alone, k, v, 0, layout.num_layers)
         self.head_bandwidth = nbytes / max(1e-6, time.perf_counter() - started)
         self._head = (k, v)
+        if not self.client.link.bandwidth:
+            self._probe_link()
+
+    def _probe_link(self) -> None:
+        """Measure the link's rate once (the client's `LinkMeter` had no bulk read yet):
+        read the first layers of the prefix's full chunks, about `PROBE_BYTES`, and drop
+        them. Without it, the pull a resident copy or `auto` placement weighs is priced at the
+        head's latency-bound rate. A failed probe leaves that floor."""
+        layout = self.prefix.layout
+        full = CachedPrefix(
+            self.prefix.namespace,
+            layout,
+            self.base,
+            self.prefix.chunks[: self.base // layout.chunk_tokens],
+        )
+        layers = max(1, min(layout.num_layers, PROBE_BYTES // layout.segment_bytes(self.base)))
+        shape = (layers, layout.num_kv_heads, self.base, layout.head_dim)
+        try:
+            self.client.fetch_layers(full, torch.empty(shape), torch.empty(shape), 0, layers)
+        except StoreError as error:
+            log.info("the link's rate is unmeasured: the probe failed (%r)", error)
+
+    @property
+    def pull_bandwidth(self) -> float:
+        """Bytes per second a pull of the prefix gets from here: the client's bulk reads
+        (`LinkMeter`), else the head's fetch (0.0: neither measured)."""
+        return self.client.link.bandwidth or self.head_bandwidth
 
     def head_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index` of the prefix's positions [base, length): [KVH, head_tokens, D]."""

@@ -149,9 +149,10 @@ class ExactPasses:
         was refused as busy: that pass pulls); with `auto` unless the measured transfer wait
         of its near-data passes (their wait for partials less the shards' compute, which
         replaces attention a pull would compute here) exceeds what pulling its bytes takes
-        at the pull bandwidth measured here (the staging ring's reads, else the head's
-        fetch). After `REMEASURE` pulled passes `auto` tries near-data again (it costs few
-        bytes), so a link that got faster or slower moves the choice."""
+        at the pull bandwidth measured here (the staging ring's reads, else the decoder's
+        bulk reads: `NearData.pull_bandwidth`). After `REMEASURE` pulled passes `auto`
+        tries near-data again (it costs few bytes), so a link that got faster or slower
+        moves the choice."""
         near = g.near
         if not g.attended_near:
             return False
@@ -163,7 +164,7 @@ class ExactPasses:
         if near.pulled_passes >= REMEASURE:
             return True
         ring = self.ring.stats
-        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
+        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.pull_bandwidth
         if not bandwidth:
             return True
         return near.transfer_s <= g.source.nbytes / bandwidth

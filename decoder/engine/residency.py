@@ -137,7 +137,7 @@ class Residency:
         if near.stats.passes < 2:  # the first is a suffix prefill: no typical pass
             return False
         ring = self.ring.stats
-        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.head_bandwidth
+        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.pull_bandwidth
         if not bandwidth:
             return True
         return group.source.nbytes / bandwidth <= PAYBACK_PASSES * max(near.wait_s, 1e-3)

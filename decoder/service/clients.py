@@ -10,6 +10,8 @@ is asked about again (Describe) when it was last accepted more than `recheck_s` 
 rotated or removed token is refused within that (plus the store's own token cache). At
 most `limit` clients are kept, the least recently used evicted first; an evicted client is
 closed as soon as no call holds it and no cached prefix reads through it (`in_use`).
+All of them record their bulk reads' rate in one `LinkMeter` (`link`): the link to the
+shards is the decoder's, whichever tenant reads.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vericache.v1 import prefix_store_pb2 as pb
 
 from prefix_store.client import StoreClient
 from prefix_store.client.channels import Connections
+from prefix_store.client.link import LinkMeter
 from prefix_store.client.retry import Attempts, retrying
 from prefix_store.config import ClientConfig
 from prefix_store.errors import Unauthenticated
@@ -72,6 +75,8 @@ class StoreClients:
         bounds: how many unknown tokens one caller address may try (`failures_*`)."""
         self.endpoints = list(endpoints)
         self.probe = TokenProbe(endpoints, config)
+        self.link = LinkMeter()
+        """The rate of every client's bulk reads (what a pull costs from here)."""
         self.throttle = FailureThrottle(bounds or AuthBounds())
         self.config = config
         self.limit = limit
@@ -123,7 +128,7 @@ class StoreClients:
         if client is not None:
             return self._recheck(token, client) if stale else client
         self._check(token, peer)
-        built = StoreClient(self.endpoints, token, self.config)
+        built = StoreClient(self.endpoints, token, self.config, link=self.link)
         with self._lock:
             client = self._take(token)
             if client is None:

@@ -26,6 +26,7 @@ from prefix_store.client.core import (
     PublishResult,
     PutStream,
 )
+from prefix_store.client.link import LinkMeter
 from prefix_store.client.near_data import AttendRoute, AttentionSession
 from prefix_store.client.plan import (
     ArtifactReceipt,
@@ -121,9 +122,16 @@ class FetchHandle:
 
 class StoreClient:
     def __init__(
-        self, endpoints: str | Sequence[str], token: str, config: ClientConfig | None = None
+        self,
+        endpoints: str | Sequence[str],
+        token: str,
+        config: ClientConfig | None = None,
+        link: LinkMeter | None = None,
     ) -> None:
+        """link: where `fetch_layers` and `fetch_artifact` record their rate (one meter may
+        serve every client of a process); a meter of its own by default."""
         self.core = ClientCore(endpoints, config)
+        self.link = link if link is not None else LinkMeter()
         self.config, self.endpoints = self.core.config, self.core.endpoints
         self._conn = Connections(self.config, token, make_channel)
         self._metadata = self._conn.metadata
@@ -270,8 +278,12 @@ class StoreClient:
     def fetch_layers(
         self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None
     ) -> int:
-        """`start_fetch` and wait; returns the bytes received."""
-        return self.start_fetch(prefix, k_out, v_out, layer_start, layer_end).wait()
+        """`start_fetch` and wait; returns the bytes received (and records the rate in
+        `link`)."""
+        started = time.perf_counter()
+        nbytes = self.start_fetch(prefix, k_out, v_out, layer_start, layer_end).wait()
+        self.link.record(nbytes, time.perf_counter() - started)
+        return nbytes
 
     def iter_layers(
         self, prefix: CachedPrefix, k_out, v_out, layer_start=0, layer_end=None
@@ -408,13 +420,17 @@ class StoreClient:
         self, prefix: CachedPrefix, spec: str, verifier: Verifier | None = None
     ) -> bytes | bytearray | None:
         """The artifact's bytes (a bytearray when they came over the data plane), or None
-        when no owner holds it (with `verifier`: none holds one whose signature verifies)."""
+        when no owner holds it (with `verifier`: none holds one whose signature verifies).
+        A found artifact's rate is recorded in `link`."""
         self._fresh()
+        started = time.perf_counter()
         search = self.core.artifact_search(prefix, spec, verifier)
         for shard_id in search:
             attempts = self.core.attempts([shard_id])
             read = lambda s: self._read_artifact(s, search.request)  # noqa: E731
             search.take(shard_id, outcome(retrying, attempts, read))
+        if search.found is not None:
+            self.link.record(len(search.found), time.perf_counter() - started)
         return search.found
 
     def has_artifact(self, prefix: CachedPrefix, spec: str) -> bool:

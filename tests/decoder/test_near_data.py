@@ -10,9 +10,10 @@ import textwrap
 import pytest
 
 from decoder.engine import Engine, EngineConfig, Prefix, Request, prefill_prefix
-from decoder.near_data import NearData
+from decoder.near_data import PROBE_BYTES, NearData
 from decoder.sampling import SamplingParams
 from decoder.store_source import StoreKVSource, kv_layout, publish_source
+from prefix_store.client.link import BULK_BYTES
 from tests.prefix_store.conftest import Store
 from tests.references import full_kv_tokens
 
@@ -296,14 +297,44 @@ def test_a_resident_copy_is_read_only_when_its_pull_pays_back(
     At the default (None) on loopback, where a pass waits for 30 layers' round trips and the
     shards' compute on this machine's own cores, reading the prefix once pays: weighing
     the pull against the waits less the shards' compute (about nothing here) kept every
-    pass near the data, slower than full KV."""
+    pass near the data, slower than full KV.
+
+    The prefix's partial last chunk is 3 tokens, whose fetch is one round trip: priced at
+    its rate, the pull looked about 100 times slower than it is and never paid. The pull is
+    priced at the link's bulk rate instead, which a bounded probe measured."""
     if payback is not None:
         monkeypatch.setattr("decoder.engine.residency.PAYBACK_PASSES", payback)
-    want = full_kv(builtin_model, builtin_runner, prompts[0], GREEDY)
+    prompt = prompts[0][: 2 * 256 + 3 + 9]  # published() keeps all but the last 9 tokens
+    want = full_kv(builtin_model, builtin_runner, prompt, GREEDY)
     token = metadata.add_tenant("decoder")
     with shards.client(token) as client:
-        prefix = published(builtin_model, builtin_runner, client, prompts[0])
-        request = Request(prefix, prompts[0][len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        prefix = published(builtin_model, builtin_runner, client, prompt)
+        request = Request(prefix, prompt[len(prefix.tokens) :], NEW_TOKENS, GREEDY)
         result = engine(builtin_model, builtin_runner, resident=True).run([request])[0]
+        rate = client.link.bandwidth
     assert result.tokens == want
     assert result.stats["resident_prefix"] is resident and result.stats["near_passes"] >= 1
+    assert rate > 0, "the probe measured the link"
+
+
+def test_the_link_probe_reads_a_bounded_sample_once(
+    builtin_model, builtin_runner, shards, metadata, prompts
+):
+    """A near-data prefix whose head is a few tokens probes the link with about PROBE_BYTES
+    of its full chunks (never all of them) when the client has no bulk read yet; a later
+    prefix on the same client probes no more."""
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        heads = builtin_model.config.num_heads
+        first = published(builtin_model, builtin_runner, client, prompts[0][: 2 * 256 + 3 + 9])
+        fetched = []
+        real = client.fetch_layers
+        client.fetch_layers = lambda *a: fetched.append(real(*a)) or fetched[-1]
+        near = first.source.near_data(heads)
+        near.load_head()
+        assert near.head_tokens == 3 and len(fetched) == 2  # the head, then the probe
+        assert BULK_BYTES <= fetched[1] <= PROBE_BYTES < first.source.nbytes
+        assert near.pull_bandwidth == client.link.bandwidth > 0
+        second = published(builtin_model, builtin_runner, client, prompts[1][: 2 * 256 + 3 + 9])
+        second.source.near_data(heads).load_head()
+        assert len(fetched) == 3  # its head only

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from prefix_store.client import AsyncStoreClient, rendezvous
+from prefix_store.client import AsyncStoreClient, StoreClient, rendezvous
+from prefix_store.client.link import BULK_BYTES, LinkMeter
 from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound
 from prefix_store.layout import KVLayout
@@ -59,6 +60,27 @@ def test_chunks_spread_over_shards_with_two_replicas_and_fetch_bitwise(store, me
         k, v = empty(LAYOUT, prefix.tokens, layers=2)
         client.fetch_layers(prefix, k, v, layer_start=1, layer_end=3)
         assert torch.equal(k, kv[1:3, 0]) and torch.equal(v, kv[1:3, 1])
+
+
+def test_bulk_reads_record_the_link_rate_in_a_shared_meter(store, metadata):
+    """Clients given one `LinkMeter` (a decoder's, whatever the tenant) record the rate of
+    their bulk reads in it; a read of a few hundred KB (one round trip) is not a rate."""
+    store.start("shard-0")
+    meter = LinkMeter()
+    tokens = list(range(5000, 5000 + 256 + 3))  # 0.5 MiB per layer
+    kv = random_kv(BIG, len(tokens), seed=5)
+    alice, bob = metadata.add_tenant("alice"), metadata.add_tenant("bob")
+    with store.client(alice) as writer:
+        writer.publish_prefix(tokens, kv, BIG)
+    reader = StoreClient(store.endpoints, bob, ClientConfig(timeout_s=10.0), link=meter)
+    with reader, StoreClient(store.endpoints, alice, ClientConfig(), link=meter) as other:
+        prefix = other.lookup(tokens, BIG)
+        k, v = empty(BIG, prefix.tokens, layers=1)
+        assert other.fetch_layers(prefix, k, v, 0, 1) < BULK_BYTES and meter.bandwidth == 0
+        k, v = empty(BIG, prefix.tokens)
+        nbytes = other.fetch_layers(prefix, k, v)
+        assert nbytes == BIG.chunk_bytes(prefix.tokens) and torch.equal(k, kv[:, 0])
+        assert reader.link is other.link and meter.bandwidth > 0
 
 
 def test_iter_layers_yields_layers_in_order_as_they_complete(store, metadata):
