@@ -36,12 +36,13 @@ RESPONSE_BYTES = 16 << 20
 """Partials one query may ask of a shard (shards refuse answers over their message limit,
 64 MiB by default): longer passes are split into several queries per layer."""
 FIELDS = ("m", "l", "acc")
-log = logging.getLogger(__name__)
 RECENT = 8
+"""Near-data passes whose transfer waits are remembered (`NearData.transfer_s`)."""
 PROBE_BYTES = 4 << 20
 """What measuring the link's rate may read, once per decoder (`NearData._probe_link`): a
 third of a second at 100 Mbit/s, enough to be bandwidth-bound at 1 GB/s."""
-"""Near-data passes whose transfer waits are remembered (`NearData.transfer_s`)."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,7 +129,10 @@ class NearData:
         return layout.chunk_bytes(self.head_tokens) if self.head_tokens else 0
 
     def load_head(self) -> None:
-        """Fetch the prefix's partial last chunk (every layer) once; raises StoreError."""
+        """Fetch the prefix's partial last chunk (every layer) once; raises StoreError.
+        First, where this decoder has not measured its link yet, `_probe_link`."""
+        if not self.client.link.bandwidth:
+            self._probe_link()
         if self._head is not None or not self.head_tokens:
             return
         layout = self.prefix.layout
@@ -142,14 +146,13 @@ class NearData:
         nbytes = self.client.fetch_layers(alone, k, v, 0, layout.num_layers)
         self.head_bandwidth = nbytes / max(1e-6, time.perf_counter() - started)
         self._head = (k, v)
-        if not self.client.link.bandwidth:
-            self._probe_link()
 
     def _probe_link(self) -> None:
-        """Measure the link's rate once (the client's `LinkMeter` had no bulk read yet):
-        read the first layers of the prefix's full chunks, about `PROBE_BYTES`, and drop
-        them. Without it, the pull a resident copy or `auto` placement weighs is priced at the
-        head's latency-bound rate. A failed probe leaves that floor."""
+        """Measure the link's rate (the client's `LinkMeter` had no bulk read yet): read
+        the first layers of the prefix's full chunks, about `PROBE_BYTES`, and drop them.
+        Without it, the pull a resident copy or `auto` placement weighs is priced at the
+        head's latency-bound rate, or, with no partial chunk, not at all (then the copy was
+        always made, even where its read takes seconds). A failed probe leaves that."""
         layout = self.prefix.layout
         full = CachedPrefix(
             self.prefix.namespace,

@@ -322,7 +322,8 @@ def test_the_link_probe_reads_a_bounded_sample_once(
 ):
     """A near-data prefix whose head is a few tokens probes the link with about PROBE_BYTES
     of its full chunks (never all of them) when the client has no bulk read yet; a later
-    prefix on the same client probes no more."""
+    prefix on the same client probes no more. A prefix with no partial chunk (no head to
+    fetch, so no rate at all before) probes too."""
     token = metadata.add_tenant("decoder")
     with shards.client(token) as client:
         heads = builtin_model.config.num_heads
@@ -332,9 +333,15 @@ def test_the_link_probe_reads_a_bounded_sample_once(
         client.fetch_layers = lambda *a: fetched.append(real(*a)) or fetched[-1]
         near = first.source.near_data(heads)
         near.load_head()
-        assert near.head_tokens == 3 and len(fetched) == 2  # the head, then the probe
-        assert BULK_BYTES <= fetched[1] <= PROBE_BYTES < first.source.nbytes
+        assert near.head_tokens == 3 and len(fetched) == 2  # the probe, then the head
+        assert BULK_BYTES <= fetched[0] <= PROBE_BYTES < first.source.nbytes
         assert near.pull_bandwidth == client.link.bandwidth > 0
         second = published(builtin_model, builtin_runner, client, prompts[1][: 2 * 256 + 3 + 9])
         second.source.near_data(heads).load_head()
         assert len(fetched) == 3  # its head only
+    other = metadata.add_tenant("other")  # its own namespace: nothing cached there yet
+    with shards.client(other) as fresh:  # another decoder's client: no bulk read yet
+        whole = published(builtin_model, builtin_runner, fresh, prompts[1][: 2 * 256 + 9])
+        near = whole.source.near_data(heads)
+        near.load_head()  # no partial chunk: nothing of its own to fetch, but the probe
+        assert near.head_tokens == 0 and near.pull_bandwidth == fresh.link.bandwidth > 0
