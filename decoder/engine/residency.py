@@ -130,17 +130,26 @@ class Residency:
         attend near the data: once two near-data passes were measured, when the pull (its bytes
         at the pull bandwidth measured here) costs at most `PAYBACK_PASSES` near-data
         passes' waits (`NearData.wait_s`: a resident pass waits for none of it, the shards'
-        compute included). On a slow link near-data passes are cheaper than the copy."""
+        compute included). On a slow link near-data passes are cheaper than the copy.
+        Before that (the first pass is a suffix prefill, no typical pass), when the pull
+        costs at most `PAYBACK_PASSES` passes' least possible wait: a round trip per layer
+        (layer l+1's queries need layer l's partials). Measuring first would only cost
+        near-data passes."""
         near = group.near
         if near is None or self.config.placement == "pull":
             return True
-        if near.stats.passes < 2:  # the first is a suffix prefill: no typical pass
-            return False
+        bandwidth = self._pull_bandwidth(near)
+        pull_s = group.source.nbytes / bandwidth if bandwidth else 0.0
+        if near.stats.passes < 2:
+            least = near.prefix.layout.num_layers * near.client.link.round_trip_s
+            return bandwidth > 0 and pull_s <= PAYBACK_PASSES * least
+        return pull_s <= PAYBACK_PASSES * max(near.wait_s, 1e-3)
+
+    def _pull_bandwidth(self, near: NearData) -> float:
+        """Bytes per second a pull gets here: the staging ring's reads, else the decoder's
+        (`NearData.pull_bandwidth`); 0.0 where neither was measured."""
         ring = self.ring.stats
-        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.pull_bandwidth
-        if not bandwidth:
-            return True
-        return group.source.nbytes / bandwidth <= PAYBACK_PASSES * max(near.wait_s, 1e-3)
+        return ring.bytes / ring.read_s if ring.read_s > 0 else near.pull_bandwidth
 
     def demote(self, group: PrefixGroup) -> None:
         """Drop a resident copy: the group's passes pull again (the staging ring was charged

@@ -176,9 +176,16 @@ class StoreClient:
 
     def describe(self) -> Topology:
         """Ask any endpoint (or known shard) who we are and which shards are live; the
-        membership then follows the rule of `client.membership`."""
+        membership then follows the rule of `client.membership`. An answered call's time is
+        a round trip for `link`."""
         request, deadline = pb.DescribeRequest(), self.core.deadlines.call
-        describe = lambda address: self._conn.call(address, "Describe", request, deadline)  # noqa: E731
+
+        def describe(address: str):
+            started = time.perf_counter()
+            reply = self._conn.call(address, "Describe", request, deadline)
+            self.link.record_round_trip(time.perf_counter() - started)
+            return reply
+
         return self.core.observe(retrying(self.core.describe_attempts(), describe))
 
     def _fresh(self) -> Topology:

@@ -288,12 +288,15 @@ def test_long_passes_are_split_into_several_queries_per_layer(
     assert result.tokens == want and result.stats["near_passes"] > 0
 
 
-@pytest.mark.parametrize("payback, resident", [(0, False), (10**6, True), (None, True)])
+@pytest.mark.parametrize(
+    "payback, resident, near", [(0, False, True), (10**6, True, False), (None, True, None)]
+)
 def test_a_resident_copy_is_read_only_when_its_pull_pays_back(
-    payback, resident, builtin_model, builtin_runner, shards, metadata, prompts, monkeypatch
+    payback, resident, near, builtin_model, builtin_runner, shards, metadata, prompts, monkeypatch
 ):
     """With near-data available, the prefix is read here once only when that pull costs at
-    most PAYBACK_PASSES near-data passes' waits (measured): never at 0, at once at 10**6.
+    most PAYBACK_PASSES near-data passes' waits (measured): never at 0; at 10**6 before any
+    near-data pass, since even the least a pass can wait (a round trip per layer) says so.
     At the default (None) on loopback, where a pass waits for 30 layers' round trips and the
     shards' compute on this machine's own cores, reading the prefix once pays: weighing
     the pull against the waits less the shards' compute (about nothing here) kept every
@@ -313,7 +316,9 @@ def test_a_resident_copy_is_read_only_when_its_pull_pays_back(
         result = engine(builtin_model, builtin_runner, resident=True).run([request])[0]
         rate = client.link.bandwidth
     assert result.tokens == want
-    assert result.stats["resident_prefix"] is resident and result.stats["near_passes"] >= 1
+    assert result.stats["resident_prefix"] is resident
+    if near is not None:  # the default's choice before or after measuring depends on timings
+        assert (result.stats["near_passes"] > 0) is near
     assert rate > 0, "the probe measured the link"
 
 

@@ -64,7 +64,8 @@ def test_chunks_spread_over_shards_with_two_replicas_and_fetch_bitwise(store, me
 
 def test_bulk_reads_record_the_link_rate_in_a_shared_meter(store, metadata):
     """Clients given one `LinkMeter` (a decoder's, whatever the tenant) record the rate of
-    their bulk reads in it; a read of a few hundred KB (one round trip) is not a rate."""
+    their bulk reads in it, and their Describes' round trips; a read of a few hundred KB (one
+    round trip) is not a rate."""
     store.start("shard-0")
     meter = LinkMeter()
     tokens = list(range(5000, 5000 + 256 + 3))  # 0.5 MiB per layer
@@ -73,6 +74,7 @@ def test_bulk_reads_record_the_link_rate_in_a_shared_meter(store, metadata):
     with store.client(alice) as writer:
         writer.publish_prefix(tokens, kv, BIG)
     reader = StoreClient(store.endpoints, bob, ClientConfig(timeout_s=10.0), link=meter)
+    assert 0 < meter.round_trip_s < 10.0  # its Describe
     with reader, StoreClient(store.endpoints, alice, ClientConfig(), link=meter) as other:
         prefix = other.lookup(tokens, BIG)
         k, v = empty(BIG, prefix.tokens, layers=1)

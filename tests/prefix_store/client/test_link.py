@@ -25,3 +25,12 @@ def test_the_rate_is_bytes_over_seconds_of_the_latest_reads():
     for _ in range(KEPT):  # the link got slower: only the latest reads count
         meter.record(BULK_BYTES, 1.0)
     assert meter.bandwidth == pytest.approx(BULK_BYTES)
+
+
+def test_the_round_trip_is_the_least_kept():
+    meter = LinkMeter()
+    assert meter.round_trip_s == 0.0
+    meter.record_round_trip(0.010)  # a channel's first call, with the connection's set-up
+    meter.record_round_trip(0.002)
+    meter.record_round_trip(0.0)  # no time measured
+    assert meter.round_trip_s == 0.002
