@@ -63,6 +63,11 @@ class RingStats:
     stall_s: float = 0.0
     """Seconds passes waited for a layer (the part of the transfer not hidden)."""
 
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second the reader achieved; 0.0 before it read anything."""
+        return self.bytes / self.read_s if self.read_s > 0 else 0.0
+
 
 class LayerRing:
     """`depth` reusable layer buffers, filled in pass order by a background reader."""

@@ -163,8 +163,7 @@ class ExactPasses:
             return True
         if near.pulled_passes >= REMEASURE:
             return True
-        ring = self.ring.stats
-        bandwidth = ring.bytes / ring.read_s if ring.read_s > 0 else near.pull_bandwidth
+        bandwidth = self.ring.stats.bandwidth or near.pull_bandwidth
         if not bandwidth:
             return True
         return near.transfer_s <= g.source.nbytes / bandwidth

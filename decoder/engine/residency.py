@@ -138,18 +138,12 @@ class Residency:
         near = group.near
         if near is None or self.config.placement == "pull":
             return True
-        bandwidth = self._pull_bandwidth(near)
+        bandwidth = self.ring.stats.bandwidth or near.pull_bandwidth
         pull_s = group.source.nbytes / bandwidth if bandwidth else 0.0
         if near.stats.passes < 2:
             least = near.prefix.layout.num_layers * near.client.link.round_trip_s
             return bandwidth > 0 and pull_s <= PAYBACK_PASSES * least
         return pull_s <= PAYBACK_PASSES * max(near.wait_s, 1e-3)
-
-    def _pull_bandwidth(self, near: NearData) -> float:
-        """Bytes per second a pull gets here: the staging ring's reads, else the decoder's
-        (`NearData.pull_bandwidth`); 0.0 where neither was measured."""
-        ring = self.ring.stats
-        return ring.bytes / ring.read_s if ring.read_s > 0 else near.pull_bandwidth
 
     def demote(self, group: PrefixGroup) -> None:
         """Drop a resident copy: the group's passes pull again (the staging ring was charged
