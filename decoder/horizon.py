@@ -27,7 +27,7 @@ PROBE_EVERY = 8
 """Rounds without drafting after which a request probes (drafts `PROBE_HORIZON`) once."""
 PROBE_HORIZON = 2
 
-Reason = Literal["fixed", "start", "draft", "exact", "probe"]
+Reason = Literal["fixed", "start", "draft", "exact", "probe", "room"]
 REASONS: tuple[str, ...] = get_args(Reason)
 
 
@@ -40,7 +40,8 @@ class Choice:
     """fixed: the request's own horizon; start: nothing measured yet (`START_HORIZON`);
     draft / exact: the cost model's best is drafting `horizon` > 0 tokens / plain exact
     steps; probe: the model said exact steps, but the request had not drafted for
-    `PROBE_EVERY` rounds."""
+    `PROBE_EVERY` rounds; room: it would draft, but the budget has no room for its
+    drafting buffers now (a request held as full KV holds it: `DraftBuffers.room`)."""
     gain: float | None = None
     """The model's expected speed of this horizon over plain exact steps (1.0: as fast; None
     where no model decided: fixed, start)."""

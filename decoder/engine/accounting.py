@@ -71,10 +71,11 @@ class Footprint:
     def tail_capacity(self, req: Request) -> int:
         return len(req.suffix) + req.max_new_tokens + self.config.max_horizon + 1
 
-    def own(self, tail_capacity: int) -> int:
-        """A request's own buffers: its exact tail and, when it drafts, its draft tail."""
+    def own(self, tail_capacity: int, drafts: bool = True) -> int:
+        """A request's own buffers: its exact tail and, when it drafts (`drafts`, and not
+        in full mode), its draft tail."""
         tail = self.bytes.dense(tail_capacity)
-        if self.compressed is None:
+        if self.compressed is None or not drafts:
             return tail
         return tail + self.bytes.draft_tail(tail_capacity)
 

@@ -18,15 +18,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from decoder.budget import KVBudget
-from decoder.compressors import CompressedKV, CompressorPipeline
+from decoder.compressors import CompressorPipeline
 from decoder.compressors.artifact import validate
-from decoder.draft_cache import DraftCache, DraftPrefix, DraftScratch
+from decoder.draft_cache import DraftCache
 from decoder.engine.accounting import Footprint, KVBytes
 from decoder.engine.config import EngineConfig
+from decoder.engine.drafting import DraftBuffers
 from decoder.engine.ngram import NgramProposer
 from decoder.engine.prefix_work import compressed
 from decoder.engine.queue import FairQueue
-from decoder.engine.request import Prefix, Request, Ticket
+from decoder.engine.request import Request, Ticket
 from decoder.engine.residency import Residency
 from decoder.engine.state import InFlight, PrefixGroup, Running
 from decoder.engine.stats import EngineStats
@@ -86,7 +87,8 @@ def _pins(config: EngineConfig, drafts, req: Request, running: list[Running], pu
     reserved and held with it, its passes verify against that copy, and it waits for room
     like a full-KV request, instead of being admitted on its compressed copy to pull the
     whole prefix for every pass (never slower than full KV; DESIGN.md section 4). A pinned
-    group still drafts when the horizon policy says so."""
+    group is charged what full KV holds; it drafts when the horizon policy says so and the
+    budget has room for its drafting buffers (`DraftBuffers.room`)."""
     if config.mode != "vericache" or not config.resident:
         return False
     return pulls or not drafts(req, running)
@@ -133,14 +135,14 @@ class Admission:
         self.flight = flight
         self.residency = residency
         self.drafts = drafts
-        c = runner.config
-        self.scratch = DraftScratch(c.num_kv_heads, c.head_dim)
-        kv_bytes = KVBytes(c, runner.rc.key_chunk)
-        self.footprint = Footprint(kv_bytes, config, self.compressed if pipeline else None, ring)
+        kv_bytes = KVBytes(runner.config, runner.rc.key_chunk)
+        # a prefix's compressed KV for this engine's spec, built once per prefix
+        kv = (lambda prefix: compressed(pipeline, prefix, runner.config)) if pipeline else None
+        self.footprint = Footprint(kv_bytes, config, kv, ring)
+        self.drafting = DraftBuffers(runner.config, kv, self.footprint, budget)
         self._queue: FairQueue[Ticket] = FairQueue(max_bypass=config.max_bypass)
         self._lock = threading.Lock()
         self._ring_charged = 0
-        self._scratch_charged = 0
 
     # -- the queue ----------------------------------------------------------------------------
 
@@ -224,11 +226,6 @@ class Admission:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def compressed(self, prefix: Prefix) -> CompressedKV:
-        """The prefix's compressed KV for this engine's spec, built once per prefix."""
-        assert self.pipeline is not None
-        return compressed(self.pipeline, prefix, self.runner.config)
-
     def _try_admit(self, ticket: Ticket) -> Running | None:
         """Admit the ticket's request if its bytes fit; None when they do not (yet)."""
         req = ticket.request
@@ -261,9 +258,12 @@ class Admission:
                 self._build_shared(group)
             held = group.pinned and charges.resident  # a new copy, or a larger one
             if held and not self.residency.hold(group, charges.resident):
-                charges.resident = 0  # unpinned: its passes pull instead
+                charges.resident = 0  # unpinned: its passes pull instead, through staging
+                charges.staging = self.footprint.staging_growth(group.capacity, self._ring_charged)
+                self.budget.reserve(charges.staging)
             tail = KVCache(self.runner.config, granule=self.runner.rc.key_chunk, capacity=capacity)
-            draft = DraftCache(group.draft, capacity) if group.draft is not None else None
+            drafts = group.draft is not None and not group.pinned
+            draft = DraftCache(group.draft, capacity) if drafts else None
         except BaseException:
             group.room = previous_room
             self.budget.release(charges.need)
@@ -283,18 +283,22 @@ class Admission:
                  near: NearData | None) -> _Charges:  # fmt: skip
         """What admitting the ticket's request into `group` would reserve (`near`: its offer)."""
         room = max(group.room, capacity)
-        buffers = self.footprint.buffers_growth(group, room)
+        # A pinned group is charged what full KV holds: drafting buffers come when it first
+        # drafts (`DraftBuffers.room`); its passes read its copy, staging nothing.
+        lazy = group.pinned and group.draft is None
         # A prefix held in local memory (prefilled here, not in the store) counts too; what
         # its caller prepaid for it is taken over rather than reserved again.
         local = isinstance(group.source, LocalKVSource) and new_group
+        scratch = 0 if lazy else self.drafting.scratch_growth(group, room)
+        staging = self.footprint.staging_growth(group.source.length + room, self._ring_charged)
         return _Charges(
             resident=_resident_growth(self.residency, group, room),
             room=room,
-            own=self.footprint.own(capacity),
-            buffers=buffers,
+            own=self.footprint.own(capacity, drafts=not group.pinned),
+            buffers=0 if lazy else self.footprint.buffers_growth(group, room),
             local=group.source.nbytes if local else 0,
-            scratch=self.footprint.scratch_growth(group, room, self._scratch_charged),
-            staging=self.footprint.staging_growth(group.source.length + room, self._ring_charged),
+            scratch=scratch,
+            staging=0 if group.pinned else staging,
             prepaid=min(ticket.prepaid, group.source.nbytes) if local else 0,
             near=near,
         )
@@ -331,7 +335,7 @@ class Admission:
             group.near_charged = head
         group.buffers += charges.buffers
         self._ring_charged += charges.staging
-        self._scratch_charged += charges.scratch
+        self.drafting.scratch_charged += charges.scratch
         if new_group:
             self.flight.groups[id(group.prefix)] = group
         group.members += 1
@@ -362,19 +366,16 @@ class Admission:
             raise ValueError(f"suffix: token id {bad} is outside the vocabulary [0, {vocab})")
         if new_group and self.pipeline is not None:
             prefix = req.prefix
-            compressed = self.compressed(prefix)
-            validate(compressed, self.runner.config, prefix.source.length, self.pipeline.spec)
+            kv = self.drafting.compressed(prefix)
+            validate(kv, self.runner.config, prefix.source.length, self.pipeline.spec)
 
     def _build_shared(self, group: PrefixGroup) -> None:
         if self.config.mode == "full":
             self.residency.load(group)
             return
-        c = self.runner.config
-        if group.draft is None:
-            group.draft = DraftPrefix(
-                self.compressed(group.prefix), c.num_kv_heads, c.head_dim, self.scratch
-            )
-        group.draft.ensure_room(group.room)
+        if group.pinned and group.draft is None:
+            return  # built when it first drafts (`DraftBuffers.room`)
+        self.drafting.build(group)
 
     # -- retirement ---------------------------------------------------------------------------
 
@@ -399,8 +400,7 @@ class Admission:
 
     def release_idle_buffers(self) -> None:
         """Nothing in flight: staging and the decode scratch go back to the budget."""
-        if self._ring_charged or self._scratch_charged:
+        if self._ring_charged or self.drafting.scratch_charged:
             self.ring.drop()
-            self.scratch.drop()
-            self.budget.release(self._ring_charged + self._scratch_charged)
-            self._ring_charged = self._scratch_charged = 0
+            self.budget.release(self._ring_charged + self.drafting.drop_scratch())
+            self._ring_charged = 0

@@ -63,6 +63,7 @@ class Engine:
             self.config.stagger,
             self.ring.stats,
             self.stats,
+            lambda r: self.admission.drafting.room(r),
         )
         self.admission = Admission(
             runner,

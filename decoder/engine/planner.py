@@ -4,7 +4,7 @@ which iteration that verification falls (DESIGN.md section 4)."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from decoder.engine.request import Request
 from decoder.engine.state import Running
@@ -27,12 +27,16 @@ class RoundPlanner:
         stagger: bool | None,
         ring_stats: RingStats,
         stats: EngineStats,
+        draft_room: Callable[[Running], bool] = lambda r: True,
     ) -> None:
+        """draft_room: whether a request can draft now, given its drafting buffers if it
+        has none yet (`DraftBuffers.room`); a request that cannot takes exact steps."""
         self.policy = policy
         self.costs = costs
         self.stagger = stagger
         self.ring_stats = ring_stats
         self.stats = stats
+        self.draft_room = draft_room
 
     def plan(self, members: Sequence[Running], start: int, running: Sequence[Running]) -> None:
         """Plan the next rounds of requests that verified (or were admitted) together, their
@@ -52,8 +56,10 @@ class RoundPlanner:
             for r, choice in zip(rs, auto, strict=True):
                 if r.req.horizon is not None:
                     choice = Choice(r.req.horizon, "fixed")
-                r.stats.chose(choice)
                 horizon = common if r.req.horizon is None else r.req.horizon
+                if min(horizon, r.remaining - 1) > 0 and not self.draft_room(r):
+                    choice, horizon = Choice(0, "room"), 0
+                r.stats.chose(choice)
                 self._plan_round(r, start, horizon, stagger, running)
 
     def drafts(self, req: Request, running: Sequence[Running]) -> bool:

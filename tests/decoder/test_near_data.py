@@ -169,6 +169,44 @@ def test_pulled_prefixes_are_held_as_full_kv_holds_them(
     assert max(r.stats["queue_s"] for r in results) > 0  # one waited for room
 
 
+def test_under_a_budget_full_kv_fills_requests_are_served_as_full_kv_serves_them(
+    builtin_model, builtin_runner, shards, metadata, prompts
+):
+    """Two distinct store prefixes whose passes would pull, the automatic horizon, and a
+    budget that full-KV decoding fills with both requests: VeriCache admits both at once,
+    charged no more than full KV (their resident copies and exact tails), and with no room
+    left for drafting buffers they take exact steps (policy reason `room`), building no
+    compressed prefix: served as full KV serves them. With room, the same requests draft."""
+    want = [full_kv(builtin_model, builtin_runner, p, GREEDY) for p in prompts]
+    token = metadata.add_tenant("decoder")
+    with shards.client(token) as client:
+        prefixes = [published(builtin_model, builtin_runner, client, p) for p in prompts]
+        requests = [
+            Request(prefix, p[len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+            for prefix, p in zip(prefixes, prompts, strict=True)
+        ]
+        full = Engine(builtin_runner, EngineConfig(mode="full"), builtin_model.eos_token_ids)
+        assert [r.tokens for r in full.run(requests)] == want
+        fills = full.budget.peak
+        for prefix in prefixes:
+            prefix.artifacts.clear()
+        tight = engine(
+            builtin_model, builtin_runner, placement="pull", resident=True, horizon=None,
+            kv_budget=fills,
+        )  # fmt: skip
+        results = tight.run(requests)
+        roomy = engine(builtin_model, builtin_runner, placement="pull", resident=True)
+        drafted = roomy.run(requests)
+    assert [r.tokens for r in results] == want == [r.tokens for r in drafted]
+    first, later = sorted((r.stats for r in results), key=lambda s: s["queue_s"])
+    assert later["queue_s"] < first["decode_s"]  # admitted together, as full KV admits them
+    assert tight.budget.peak <= fills
+    for r in results:
+        assert r.stats["drafted"] == 0 and r.stats["resident_prefix"]
+        assert r.stats["policy"].get("room", 0) > 0 and "compressor" not in r.stats
+    assert all(r.stats["drafted"] > 0 and "compressor" in r.stats for r in drafted)
+
+
 def test_two_tenants_each_see_only_their_own_prefix(
     builtin_model, builtin_runner, shards, metadata, prompts
 ):
