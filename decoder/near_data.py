@@ -39,7 +39,7 @@ FIELDS = ("m", "l", "acc")
 RECENT = 8
 """Near-data passes whose transfer waits are remembered (`NearData.transfer_s`)."""
 PROBE_BYTES = 4 << 20
-"""What measuring the link's rate may read, once per decoder (`NearData._probe_link`): a
+"""What measuring the link's rate may read, once per decoder (`NearData.measure_link`): a
 third of a second at 100 Mbit/s, enough to be bandwidth-bound at 1 GB/s."""
 
 log = logging.getLogger(__name__)
@@ -130,9 +130,8 @@ class NearData:
 
     def load_head(self) -> None:
         """Fetch the prefix's partial last chunk (every layer) once; raises StoreError.
-        First, where this decoder has not measured its link yet, `_probe_link`."""
-        if not self.client.link.bandwidth:
-            self._probe_link()
+        First, where this decoder has not measured its link yet, `measure_link`."""
+        self.measure_link()
         if self._head is not None or not self.head_tokens:
             return
         layout = self.prefix.layout
@@ -147,12 +146,14 @@ class NearData:
         self.head_bandwidth = nbytes / max(1e-6, time.perf_counter() - started)
         self._head = (k, v)
 
-    def _probe_link(self) -> None:
-        """Measure the link's rate (the client's `LinkMeter` had no bulk read yet): read
+    def measure_link(self) -> None:
+        """Measure the link's rate where the client's `LinkMeter` has no bulk read yet: read
         the first layers of the prefix's full chunks, about `PROBE_BYTES`, and drop them.
         Without it, the pull a resident copy or `auto` placement weighs is priced at the
         head's latency-bound rate, or, with no partial chunk, not at all (then the copy was
         always made, even where its read takes seconds). A failed probe leaves that."""
+        if self.client.link.bandwidth:
+            return
         layout = self.prefix.layout
         full = CachedPrefix(
             self.prefix.namespace,

@@ -79,22 +79,25 @@ class Footprint:
             return tail
         return tail + self.bytes.draft_tail(tail_capacity)
 
-    def buffers_growth(self, group: PrefixGroup, room: int) -> int:
-        """Budget bytes the group's shared buffers grow by to hold `room` tail tokens."""
+    def buffers_growth(self, group: PrefixGroup, room: int, kv: CompressedKV | None = None) -> int:
+        """Budget bytes the group's shared buffers grow by to hold `room` tail tokens (`kv`:
+        its compressed prefix, when not the one kept with the prefix)."""
         if self.compressed is None:
             return self.bytes.dense(group.source.length + room) - group.buffers
         per_token = self.bytes.draft_layer_token
         total = 0
-        for layer in self.compressed(group.prefix).layers:
+        for layer in (kv or self.compressed(group.prefix)).layers:
             total += layer.nbytes if layer.quantized else (layer.kept + room) * per_token
         return total - group.buffers
 
-    def scratch_growth(self, group: PrefixGroup, room: int, charged: int) -> int:
+    def scratch_growth(
+        self, group: PrefixGroup, room: int, charged: int, kv: CompressedKV | None = None
+    ) -> int:
         """Budget bytes the shared decode buffer of quantized prefixes grows by (`charged`:
-        what it holds now)."""
+        what it holds now; `kv` as in `buffers_growth`)."""
         if self.compressed is None:
             return 0
-        layers = self.compressed(group.prefix).layers
+        layers = (kv or self.compressed(group.prefix)).layers
         if not any(layer.quantized for layer in layers):
             return 0
         widest = max(layer.kept for layer in layers) + room

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from decoder.budget import KVBudget
 from decoder.compressors import CompressorPipeline
-from decoder.compressors.artifact import validate
 from decoder.draft_cache import DraftCache
 from decoder.engine.accounting import Footprint, KVBytes
 from decoder.engine.config import EngineConfig
@@ -79,19 +78,20 @@ class _Charges:
         return self.own + self.shared + self.resident + self.scratch + self.staging - self.prepaid
 
 
-def _pins(config: EngineConfig, drafts, req: Request, running: list[Running], pulls: bool) -> bool:
+def _pins(config: EngineConfig, drafts, req: Request, running: list[Running], holds: bool) -> bool:
     """Whether a new group for `req` holds its full prefix here as full-KV decoding would
     (`PrefixGroup.pinned`): in vericache mode with resident prefixes allowed, when its
-    passes would otherwise pull the prefix from the store (`pulls`: a store prefix without
-    near-data attention), or when it should not draft (`drafts`). Its full prefix is then
+    passes would otherwise be remote where a copy here is better (`holds`:
+    `Residency.holds`), or when it should not draft (`drafts`). Its full prefix is then
     reserved and held with it, its passes verify against that copy, and it waits for room
     like a full-KV request, instead of being admitted on its compressed copy to pull the
-    whole prefix for every pass (never slower than full KV; DESIGN.md section 4). A pinned
+    whole prefix, or wait on the shards, for every pass (never slower than full KV;
+    DESIGN.md section 4). A pinned
     group is charged what full KV holds; it drafts when the horizon policy says so and the
     budget has room for its drafting buffers (`DraftBuffers.room`)."""
     if config.mode != "vericache" or not config.resident:
         return False
-    return pulls or not drafts(req, running)
+    return holds or not drafts(req, running)
 
 
 def _resident_growth(residency: Residency, group: PrefixGroup, room: int) -> int:
@@ -139,7 +139,8 @@ class Admission:
         # a prefix's compressed KV for this engine's spec, built once per prefix
         kv = (lambda prefix: compressed(pipeline, prefix, runner.config)) if pipeline else None
         self.footprint = Footprint(kv_bytes, config, kv, ring)
-        self.drafting = DraftBuffers(runner.config, kv, self.footprint, budget)
+        spec = pipeline.spec if pipeline else ""
+        self.drafting = DraftBuffers(runner.config, spec, kv, self.footprint, budget)
         self._queue: FairQueue[Ticket] = FairQueue(max_bypass=config.max_bypass)
         self._lock = threading.Lock()
         self._ring_charged = 0
@@ -233,7 +234,7 @@ class Admission:
         group = self.flight.groups.get(id(req.prefix))
         new_group = group is None
         t0 = time.perf_counter()  # building a new group's compressed prefix counts
-        self._check(req, new_group)
+        self._check(req)
         grows = group is not None and capacity > group.room
         if grows and group.resident_charged and not group.pinned:
             self.residency.demote(group)  # its resident copy has no room for this request's tail
@@ -241,12 +242,15 @@ class Admission:
         if new_group:
             group = PrefixGroup(req.prefix, req.prefix.source, room=capacity)
             near = self.residency.near(group)
-            pulls = self.residency.pulls(group, near)
-            group.pinned = _pins(self.config, self.drafts, req, self.flight.running, pulls)
+            holds = self.residency.holds(group, near)
+            group.pinned = _pins(self.config, self.drafts, req, self.flight.running, holds)
+            alone = group.pinned and self._charges(ticket, group, new_group, capacity, None)
+            if group.pinned and not _fits_at_all(self.budget, alone):
+                group.pinned = False  # its full KV never fits here: remote for each pass
+            if not group.pinned and self.pipeline is not None:
+                self.drafting.prepare(req)
+            near = None if group.pinned else near  # it reads its copy: no near-data head
         charges = self._charges(ticket, group, new_group, capacity, near)
-        if group.pinned and new_group and not _fits_at_all(self.budget, charges):
-            group.pinned = False  # its full KV never fits here: it pulls for each pass
-            charges = self._charges(ticket, group, new_group, capacity, near)
         if not self._reserve(charges):
             return None
         previous_room = group.room
@@ -356,18 +360,12 @@ class Admission:
             running.proposer = NgramProposer(req.prefix.ngrams, req.suffix)
         return running
 
-    def _check(self, req: Request, new_group: bool) -> None:
-        """A token the runner would refuse fails this request here, not a shared pass; so
-        does a compressed prefix a new group would draft over that does not fit the model
-        (one the caller put in `prefix.artifacts` may not: ArtifactFormatError)."""
+    def _check(self, req: Request) -> None:
+        """A token the runner would refuse fails this request here, not a shared pass."""
         vocab = self.runner.config.vocab_size
         bad = next((t for t in req.suffix if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"suffix: token id {bad} is outside the vocabulary [0, {vocab})")
-        if new_group and self.pipeline is not None:
-            prefix = req.prefix
-            kv = self.drafting.compressed(prefix)
-            validate(kv, self.runner.config, prefix.source.length, self.pipeline.spec)
 
     def _build_shared(self, group: PrefixGroup) -> None:
         if self.config.mode == "full":

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -48,6 +49,21 @@ class Prefix:
             )
 
 
+class ArtifactSource(Protocol):
+    """Where a request's prefix gets its compressed KV when it has none yet for a spec
+    (`Request.artifacts`; the decoder service's prefix cache: fetched from the store or
+    built, as the request's caller). Called on the engine's thread."""
+
+    def load(self, spec: str) -> CompressedKV:
+        """The compressed KV for `spec`, checked against the model: neither kept nor charged."""
+        ...
+
+    def keep(self, spec: str, kv: CompressedKV) -> None:
+        """Keep `kv` with the prefix for later requests; its bytes, which the caller has
+        reserved from the budget, are then the keeper's to release."""
+        ...
+
+
 @dataclass
 class Request:
     """One generation: a cached prefix and the prompt tokens after it (at least one)."""
@@ -66,6 +82,11 @@ class Request:
     local memory (a prompt prefilled on the decoder before it was queued). Admission takes
     them over as part of the prefix's charge; a request that ends without being admitted
     has them released."""
+    artifacts: ArtifactSource | None = None
+    """Where the prefix's compressed KV comes from when `prefix.artifacts` lacks the
+    engine's spec: loaded only when the request's group is admitted to draft, or first
+    drafts (a group held as full KV holds it may never), and charged to the budget then;
+    None: built here from the prefix, uncharged."""
 
     def __post_init__(self) -> None:
         if not self.suffix:

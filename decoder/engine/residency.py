@@ -126,17 +126,22 @@ class Residency:
                     r.stats.pulled_bytes += group.source.nbytes / group.members
 
     def _pays(self, group: PrefixGroup) -> bool:
+        """Whether reading a group's prefix here once pays (`copy_pays` of its near-data
+        attention; a prefix without it pulls for every pass, so a copy always pays)."""
+        near = group.near
+        return near is None or self.copy_pays(group, near)
+
+    def copy_pays(self, group: PrefixGroup, near: NearData) -> bool:
         """Whether reading the prefix's full KV here once pays, for a prefix its passes can
-        attend near the data: once two near-data passes were measured, when the pull (its bytes
-        at the pull bandwidth measured here) costs at most `PAYBACK_PASSES` near-data
-        passes' waits (`NearData.wait_s`: a resident pass waits for none of it, the shards'
-        compute included). On a slow link near-data passes are cheaper than the copy.
+        attend near the data (`near`): once two near-data passes were measured, when the
+        pull (its bytes at the pull bandwidth measured here) costs at most `PAYBACK_PASSES`
+        near-data passes' waits (`NearData.wait_s`: a resident pass waits for none of it, the
+        shards' compute included). On a slow link near-data passes are cheaper than the copy.
         Before that (the first pass is a suffix prefill, no typical pass), when the pull
         costs at most `PAYBACK_PASSES` passes' least possible wait: a round trip per layer
         (layer l+1's queries need layer l's partials). Measuring first would only cost
         near-data passes."""
-        near = group.near
-        if near is None or self.config.placement == "pull":
+        if self.config.placement == "pull":
             return True
         bandwidth = self.ring.stats.bandwidth or near.pull_bandwidth
         pull_s = group.source.nbytes / bandwidth if bandwidth else 0.0
@@ -163,12 +168,20 @@ class Residency:
 
     # -- near-data attention ------------------------------------------------------------------
 
-    @staticmethod
-    def pulls(group: PrefixGroup, near: NearData | None) -> bool:
-        """Whether a new group's passes would pull its prefix from the store: a store prefix
-        (not one in this decoder's memory, which the budget already holds) without near-data
-        attention (`near`: what `near(group)` gave)."""
-        return not isinstance(group.source, LocalKVSource) and near is None
+    def holds(self, group: PrefixGroup, near: NearData | None) -> bool:
+        """Whether a new group's prefix is better held here than verified remotely: a store
+        prefix (not one in this decoder's memory, which the budget already holds) whose
+        passes would pull it every time (no near-data attention: `near`, what `near(group)`
+        gave, is None), or would attend near the data where reading it once pays
+        (`copy_pays`, with the link measured first). A near-data pass keeps every request of
+        its forward waiting for the link and the shards, so where a copy pays, waiting for
+        room to hold it serves as full KV would and no worse."""
+        if isinstance(group.source, LocalKVSource):
+            return False
+        if near is None:
+            return True
+        near.measure_link()
+        return self.copy_pays(group, near)
 
     def near(self, group: PrefixGroup) -> NearData | None:
         """The new group's near-data attention when the config and its source allow it: a

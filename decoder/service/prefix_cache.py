@@ -5,7 +5,7 @@ A request's prefix is the leading chunks of the longest cached prefix that this 
 decoders signed; a prompt with no cached prefix is prefilled here (its KV held locally,
 under the budget, and handed to the request's admission). A prefix's compressed artifact for
 a spec is fetched once (signed ones only), or built here once from the full KV and stored for
-every later request and worker.
+every later request and worker, when a request's engine first drafts over it (`artifacts`).
 
 Memory: entries are charged for their compressed artifacts; idle ones are dropped least
 recently used first beyond `capacity`, or whenever a budget reservation needs their bytes.
@@ -55,6 +55,21 @@ class CacheEntry:
     """Budget bytes the entry holds itself: its compressed artifacts."""
     prepaid: int = 0
     """A local prefill's reserved KV bytes, until its request takes them over."""
+
+
+@dataclass(frozen=True)
+class EntryArtifacts:
+    """A request's `ArtifactSource` (decoder.engine): its entry's artifacts, as its caller."""
+
+    cache: PrefixCache
+    entry: CacheEntry
+    client: StoreClient
+
+    def load(self, spec: str) -> CompressedKV:
+        return self.cache.load_artifact(self.entry, spec, self.client)
+
+    def keep(self, spec: str, kv: CompressedKV) -> None:
+        self.cache.keep_artifact(self.entry, spec, kv)
 
 
 @dataclass(frozen=True)
@@ -223,32 +238,39 @@ class PrefixCache:
 
     # -- artifacts ----------------------------------------------------------------------------
 
-    def artifact(self, entry: CacheEntry, spec: str, client: StoreClient) -> CompressedKV:
-        """The prefix's compressed KV for `spec`: cached, fetched, or built once and stored
-        (as the caller, `client`: its quota pays, its role must let it write).
+    def artifacts(self, entry: CacheEntry, client: StoreClient) -> EntryArtifacts:
+        """Where a request over `entry` gets the prefix's compressed KV, as the caller
+        `client` (its quota pays, its role must let it write): the engine loads it only when
+        the request's group drafts over it (`Request.artifacts`)."""
+        return EntryArtifacts(self, entry, client)
+
+    def load_artifact(self, entry: CacheEntry, spec: str, client: StoreClient) -> CompressedKV:
+        """The prefix's compressed KV for `spec`, fetched, or built here and stored; on the
+        model thread (the engine's), neither kept nor charged.
 
         Only an artifact signed by this deployment's decoders is fetched (another is as
         good as missing: docs/DESIGN.md section 8).
 
         A fetched artifact is used only if it fits this model and prefix (`validate`: layers,
         heads, dims, dtypes, length, positions). One that does not (any writer of the prefix
-        may have stored it) is treated as missing: logged, never cached, rebuilt here from
-        the full KV (always correct) and stored in its place, so the request is served as on
-        a miss instead of failing, and no later request or worker meets it again."""
+        may have stored it) is treated as missing: logged, never kept, rebuilt here from the
+        full KV (always correct) and stored in its place, so the request is served as on a
+        miss instead of failing, and no later request or worker meets it again."""
+        compressed = self._fetch(entry, spec, client)
+        if compressed is None:
+            compressed = self._build(entry, spec)
+            if entry.cached is not None:
+                signer = None if entry.unsigned else self.signer
+                self._store(client, entry.cached, spec, compressed, signer)
+        return compressed
+
+    @staticmethod
+    def keep_artifact(entry: CacheEntry, spec: str, compressed: CompressedKV) -> None:
+        """Keep an artifact with the entry for later requests; its bytes, which the caller
+        reserved, are released with the entry."""
         with entry.lock:
-            prefix = entry.prefix
-            if spec in prefix.artifacts:
-                return prefix.artifacts[spec]
-            compressed = self._fetch(entry, spec, client)
-            if compressed is None:
-                compressed = self.model.call(lambda: self._build(entry, spec))
-                if entry.cached is not None:
-                    signer = None if entry.unsigned else self.signer
-                    self._store(client, entry.cached, spec, compressed, signer)
-            self.model.call(lambda: self.budget.reserve(compressed.nbytes))
             entry.charged += compressed.nbytes
-            prefix.artifacts[spec] = compressed
-            return compressed
+            entry.prefix.artifacts[spec] = compressed
 
     def _fetch(self, entry: CacheEntry, spec: str, client: StoreClient) -> CompressedKV | None:
         """The stored artifact, when there is a signed one that fits; else None."""

@@ -3,7 +3,8 @@
 Generate:
 1. the longest cached prefix of the prompt is looked up with the caller's token (so a
    tenant finds exactly what it may read); its compressed artifact for the requested spec
-   is fetched once per worker, or, when missing, built here once from the full KV and
+   is fetched once per worker when the request's group first drafts over it (a group held
+   as full KV holds it may never), or, when missing, built here once from the full KV and
    stored for every later request and worker;
 2. the request joins the engine of its mode and spec, which prefills the rest of the
    prompt exactly against the full prefix KV streamed layer by layer, then drafts and
@@ -220,8 +221,7 @@ class DecoderWorker:
             client, prompt, spec.namespace, spec.use_unsigned_prefix, cancelled
         )
         with held as entry:
-            if spec.mode != "full":
-                self.prefixes.artifact(entry, spec.compressor, client)
+            artifacts = None if spec.mode == "full" else self.prefixes.artifacts(entry, client)
             suffix = spec.prompt[entry.prefix.source.length :]
             with self.engines.engine(spec.mode, spec.compressor, spec.ngram) as engine:
                 events: queue.Queue = queue.Queue()
@@ -233,6 +233,7 @@ class DecoderWorker:
                     spec.horizon,
                     stop_ids=spec.stop_ids,
                     prepaid=entry.prepaid,
+                    artifacts=artifacts,
                 )
                 tenant = client.topology.tenant  # admission is fair between tenants
                 ticket = self.model_thread.submit(engine, request, events.put, tenant)

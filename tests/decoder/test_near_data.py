@@ -139,14 +139,24 @@ def test_pull_placement_never_attends_remotely(
     assert result.stats["near_passes"] == 0 and result.stats["pulled_bytes"] > 0
 
 
-def test_pulled_prefixes_are_held_as_full_kv_holds_them(
-    builtin_model, builtin_runner, shards, metadata, prompts
-):
-    """Placement pull with resident copies allowed, two distinct store prefixes, drafting,
-    a budget for one request: each prefix is read once and held while its request drafts
-    and verifies against it, and the other request waits for room, as full-KV decoding
-    would serve them, instead of being admitted on its compressed copy to pull its prefix
-    for every pass."""
+@pytest.mark.parametrize(
+    "placement, payback, held",
+    [("pull", None, True), ("near", 10**6, True), ("near", 0, False)],
+    ids=["pull", "near-copy-pays", "near-copy-never-pays"],
+)
+def test_remote_prefixes_are_held_as_full_kv_holds_them_where_a_copy_pays(
+    placement, payback, held, builtin_model, builtin_runner, shards, metadata, prompts,
+    monkeypatch,
+):  # fmt: skip
+    """Two distinct store prefixes, drafting, resident copies allowed, a budget for one
+    request held as full KV. Where its passes would pull, or attend near the data while a
+    copy here pays back its read (`PAYBACK_PASSES`), each prefix is read once and held
+    while its request drafts and verifies against it, and the other request waits for
+    room, as full-KV decoding would serve them, instead of being admitted on its compressed
+    copy to pull its prefix, or wait on the shards, for every pass. Where the copy never
+    pays, both are admitted at once and verify near the data."""
+    if payback is not None:
+        monkeypatch.setattr("decoder.engine.residency.PAYBACK_PASSES", payback)
     want = [full_kv(builtin_model, builtin_runner, p, GREEDY) for p in prompts]
     token = metadata.add_tenant("decoder")
     with shards.client(token) as client:
@@ -158,15 +168,23 @@ def test_pulled_prefixes_are_held_as_full_kv_holds_them(
         probe = engine(builtin_model, builtin_runner, placement="pull", resident=True)
         probe.run(requests[:1])
         one = probe.budget.peak
-        held = engine(
-            builtin_model, builtin_runner, placement="pull", resident=True, kv_budget=one * 3 // 2
-        )
-        results = held.run(requests)
+        served = engine(
+            builtin_model, builtin_runner, placement=placement, resident=True,
+            kv_budget=one * 3 // 2,
+        )  # fmt: skip
+        results = served.run(requests)
     assert [r.tokens for r in results] == want
     assert all(r.stats["verifications"] > 1 and r.stats["drafted"] > 0 for r in results)
-    assert [r.stats["pulled_bytes"] for r in results] == [r.stats["full_bytes"] for r in results]
-    assert all(r.stats["resident_prefix"] for r in results)
-    assert max(r.stats["queue_s"] for r in results) > 0  # one waited for room
+    assert [r.stats["resident_prefix"] for r in results] == [held, held]
+    first, later = sorted((r.stats for r in results), key=lambda s: s["queue_s"])
+    # held: the later request waited for room until the first was served
+    assert (later["queue_s"] >= first["decode_s"]) is held
+    if held:
+        pulled = [r.stats["pulled_bytes"] for r in results]
+        assert pulled == [r.stats["full_bytes"] for r in results]  # once, no near-data head
+        assert all(r.stats["near_passes"] == 0 for r in results)
+    else:
+        assert all(r.stats["near_passes"] > 0 for r in results)
 
 
 def test_under_a_budget_full_kv_fills_requests_are_served_as_full_kv_serves_them(

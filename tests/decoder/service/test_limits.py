@@ -119,7 +119,9 @@ def test_a_tenant_may_opt_in_to_its_own_unsigned_kv_in_its_private_namespace(
         with DecoderClient(decoder.address, token) as client:
             default = client.generate(token_ids=prompt, max_new_tokens=8)
             assert default.stats["cached_tokens"] == 0 and default.tokens == want
-            own = client.generate(token_ids=prompt, max_new_tokens=8, use_unsigned_prefix=True)
+            own = client.generate(  # it drafts (horizon 4): its artifact is built then
+                token_ids=prompt, max_new_tokens=8, use_unsigned_prefix=True, horizon=4
+            )
             assert own.stats["cached_tokens"] == len(doc) and own.tokens == want
         with store.client(token) as raw:  # the artifact built from it is not signed either
             cached = raw.lookup(doc, layout)
