@@ -86,9 +86,9 @@ def _pins(config: EngineConfig, drafts, req: Request, running: list[Running], ho
     reserved and held with it, its passes verify against that copy, and it waits for room
     like a full-KV request, instead of being admitted on its compressed copy to pull the
     whole prefix, or wait on the shards, for every pass (never slower than full KV;
-    DESIGN.md section 4). A pinned
-    group is charged what full KV holds; it drafts when the horizon policy says so and the
-    budget has room for its drafting buffers (`DraftBuffers.room`)."""
+    DESIGN.md section 4). A pinned group is charged what full KV holds; it drafts when the
+    horizon policy says so and the budget has room for its drafting buffers
+    (`DraftBuffers.room`)."""
     if config.mode != "vericache" or not config.resident:
         return False
     return holds or not drafts(req, running)

@@ -20,7 +20,13 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 
 from cluster import node_cli, ray_auth
 from cluster.cli import build_parser, main
-from cluster.node_cli import NodeConfig, provision_secrets, ray_environment, ray_start_command
+from cluster.node_cli import (
+    START_ATTEMPTS,
+    NodeConfig,
+    provision_secrets,
+    ray_environment,
+    ray_start_command,
+)
 from tests.cluster.conftest import driver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,31 +165,44 @@ def test_a_head_started_by_node_start_refuses_a_driver_without_the_token(tmp_pat
     command = ray_start_command(config, None) + [
         "--block", f"--temp-dir={scratch}", "--include-dashboard=false",
     ]  # fmt: skip
-    head = subprocess.Popen(
-        command,
-        env={**os.environ, **ray_environment(config)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    address = f"127.0.0.1:{config.port}"
+    env = ray_auth.auth_environment(ray_auth.token_file())
+    head = None
     try:
-        address = f"127.0.0.1:{config.port}"
-        token = ray_auth.token_file()
-        assert wait_connected(address, ray_auth.auth_environment(token), tmp_path)
+        for _ in range(START_ATTEMPTS):  # as `node start`: a head that gave up starts again
+            head = subprocess.Popen(
+                command,
+                env={**os.environ, **ray_environment(config)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            if wait_connected(address, env, tmp_path, alive=lambda h=head: h.poll() is None):
+                break
+            assert head.poll() is not None, "the head runs but never took a driver"
+            subprocess.run(["pkill", "-9", "-f", str(scratch)], check=False)  # what it left
+        else:
+            pytest.fail(f"the head exited before taking a driver, {START_ATTEMPTS} times")
         assert driver(address, {}, tmp_path) == "refused: ConnectionError"
     finally:
-        head.terminate()
+        if head is not None:
+            head.terminate()
         subprocess.run(["pkill", "-9", "-f", str(scratch)], check=False)
-        head.wait(timeout=30)
+        if head is not None:
+            head.wait(timeout=30)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def wait_connected(address: str, env: dict, home: Path, timeout_s: float = 240) -> bool:
-    """Whether a driver connects within `timeout_s`. Each try gets at most 60 s, then a
-    fresh driver tries: under the full suite on 2 cores one driver, started while the head
-    was starting, hung in `ray.init` past its 120 s."""
+def wait_connected(
+    address: str, env: dict, home: Path, timeout_s: float = 240, alive=lambda: True
+) -> bool:
+    """Whether a driver connects within `timeout_s`, while `alive()` (the head runs). Each
+    try gets at most 60 s, then a fresh driver tries: under the full suite on 2 cores one
+    driver, started while the head was starting, hung in `ray.init` past its 120 s; and a
+    head whose raylet missed Ray's fixed 30 s registration wait exits (`node start` runs
+    `ray start` again then: RAY_STARTUP_TIMED_OUT)."""
     deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
+    while (left := deadline - time.monotonic()) > 0 and alive():
         if driver(address, env, home, timeout_s=min(60, left)).startswith("connected"):
             return True
     return False

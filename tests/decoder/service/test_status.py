@@ -120,7 +120,8 @@ def test_a_stored_artifact_that_is_not_one_is_rebuilt(
     garbage, store, decoder, tenant, builtin_model, builtin_runner
 ):
     """Signed with the deployment's key (what a faulty decoder would store), so it is
-    fetched and read: refused as ArtifactFormatError, rebuilt and stored in its place."""
+    fetched and read when the request drafts: refused as ArtifactFormatError, rebuilt and
+    stored in its place."""
     token = tenant("artifact")
     doc = document(builtin_model, 200)
     prompt = doc + builtin_model.encode("\n# Summarise.\n")[1:]
@@ -132,7 +133,7 @@ def test_a_stored_artifact_that_is_not_one_is_rebuilt(
         cached = raw.lookup(doc, layout)
         raw.put_artifact(cached, spec, garbage, signer=decoder.worker.signer)
     with DecoderClient(decoder.address, token) as client:
-        reply = client.generate(token_ids=prompt, max_new_tokens=NEW, compressor=spec)
+        reply = client.generate(token_ids=prompt, max_new_tokens=NEW, compressor=spec, horizon=4)
     assert reply.tokens == reference(builtin_runner, builtin_model, prompt)
     with store.client(token) as raw:
         stored = raw.fetch_artifact(cached, spec, decoder.worker.signer.verifier)
