@@ -244,8 +244,9 @@ class Admission:
             near = self.residency.near(group)
             holds = self.residency.holds(group, near)
             group.pinned = _pins(self.config, self.drafts, req, self.flight.running, holds)
-            alone = group.pinned and self._charges(ticket, group, new_group, capacity, None)
-            if group.pinned and not _fits_at_all(self.budget, alone):
+            if group.pinned and not _fits_at_all(
+                self.budget, self._charges(ticket, group, new_group, capacity, None)
+            ):
                 group.pinned = False  # its full KV never fits here: remote for each pass
             if not group.pinned and self.pipeline is not None:
                 self.drafting.prepare(req)

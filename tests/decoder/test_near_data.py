@@ -67,6 +67,15 @@ def published(builtin_model, builtin_runner, client, prompt) -> Prefix:
     return Prefix(list(local.tokens), StoreKVSource(client, cached), observed)
 
 
+def greedy_requests(builtin_model, builtin_runner, client, prompts) -> list[Request]:
+    """One greedy request per prompt, over the prompt's prefix `published` through `client`."""
+    prefixes = [published(builtin_model, builtin_runner, client, p) for p in prompts]
+    return [
+        Request(prefix, p[len(prefix.tokens) :], NEW_TOKENS, GREEDY)
+        for prefix, p in zip(prefixes, prompts, strict=True)
+    ]
+
+
 def engine(builtin_model, builtin_runner, compressor="snapkv:budget=0.125", **config) -> Engine:
     config.setdefault("horizon", 4)
     config.setdefault("resident", False)  # a resident copy would be used before either
@@ -160,11 +169,7 @@ def test_remote_prefixes_are_held_as_full_kv_holds_them_where_a_copy_pays(
     want = [full_kv(builtin_model, builtin_runner, p, GREEDY) for p in prompts]
     token = metadata.add_tenant("decoder")
     with shards.client(token) as client:
-        prefixes = [published(builtin_model, builtin_runner, client, p) for p in prompts]
-        requests = [
-            Request(prefix, p[len(prefix.tokens) :], NEW_TOKENS, GREEDY)
-            for prefix, p in zip(prefixes, prompts, strict=True)
-        ]
+        requests = greedy_requests(builtin_model, builtin_runner, client, prompts)
         probe = engine(builtin_model, builtin_runner, placement="pull", resident=True)
         probe.run(requests[:1])
         one = probe.budget.peak
@@ -198,16 +203,12 @@ def test_under_a_budget_full_kv_fills_requests_are_served_as_full_kv_serves_them
     want = [full_kv(builtin_model, builtin_runner, p, GREEDY) for p in prompts]
     token = metadata.add_tenant("decoder")
     with shards.client(token) as client:
-        prefixes = [published(builtin_model, builtin_runner, client, p) for p in prompts]
-        requests = [
-            Request(prefix, p[len(prefix.tokens) :], NEW_TOKENS, GREEDY)
-            for prefix, p in zip(prefixes, prompts, strict=True)
-        ]
+        requests = greedy_requests(builtin_model, builtin_runner, client, prompts)
         full = Engine(builtin_runner, EngineConfig(mode="full"), builtin_model.eos_token_ids)
         assert [r.tokens for r in full.run(requests)] == want
         fills = full.budget.peak
-        for prefix in prefixes:
-            prefix.artifacts.clear()
+        for request in requests:
+            request.prefix.artifacts.clear()
         tight = engine(
             builtin_model, builtin_runner, placement="pull", resident=True, horizon=None,
             kv_budget=fills,
