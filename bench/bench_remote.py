@@ -289,13 +289,14 @@ def _measure(stores, token, model, prompts, mode, budget, args, key=None) -> dic
     tokens = runs[0]["tokens"]
     if any(r["tokens"] != tokens for r in runs):
         raise SystemExit(f"{mode}: outputs differ across repeats")
-    counts = ("tokens", "accepted_histogram")
+    counts = ("tokens", "accepted_histogram", "policy")
     figures = spreads(runs, [key for key in runs[0] if key not in counts])
     row = {key: figure.median for key, figure in figures.items()}
     row["spread"] = spreads_json(figures)
     row["runs"] = len(runs)
     row["tokens"] = tokens
     row["accepted_histogram"] = plots.merged_histogram(r["accepted_histogram"] for r in runs)
+    row["policy"] = _summed(r["policy"] for r in runs)
     row["mode"] = mode
     return row
 
@@ -366,6 +367,8 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
         )
         / generated,
         "near_passes": sum(r.stats.get("near_passes", 0) for r in replies),
+        "policy": _policy(replies),
+        **{key: statistics.median(r.stats[key] for r in replies) for key in PHASES},
         "near_wire_per_pass_s": _per_pass(replies, "near_wire_s"),
         "near_shard_per_pass_s": _per_pass(replies, "near_shard_s"),
         "peak_kv_bytes": worker.budget.peak,
@@ -374,6 +377,25 @@ def _batch(server: DecoderServer, token: str, prompts, mode: str, args) -> dict:
         "fetch_stall_s": max((r.stats.get("fetch_stall_s", 0.0) for r in replies), default=0.0),
         "fetch_s": max((r.stats.get("fetch_s", 0.0) for r in replies), default=0.0),
     }
+
+
+PHASES = ("queue_s", "prefill_s", "decode_s")
+"""A request's time waiting for admission, prefilling its suffix and decoding (medians over
+the batch's requests): where a mode's latency goes."""
+
+
+def _policy(replies) -> dict[str, int]:
+    """Rounds by the horizon policy's reason (`decoder.horizon.REASONS`), over all requests."""
+    return _summed(reply.stats.get("policy", {}) for reply in replies)
+
+
+def _summed(counts) -> dict[str, int]:
+    """Dicts of counts, summed key by key."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for key, n in count.items():
+            total[key] = total.get(key, 0) + n
+    return dict(sorted(total.items()))
 
 
 def _per_pass(replies, key: str) -> float:

@@ -13,6 +13,13 @@ A model fed only by what it chose can lock itself out: once it picks plain exact
 for `PROBE_EVERY` rounds drafts `PROBE_HORIZON` tokens once (a probe) whatever the model
 says: at most one round in `PROBE_EVERY + 1` of a request that the model keeps on exact
 steps, each costing a couple of draft forwards.
+
+n-gram guesses ride on a forward (the drafter's in `vericache` and `lossy`, the exact pass in
+`full`): each costs that forward's fitted time per token and is taken with the request's
+own measured guess acceptance until its first miss, so a request feeds the number of
+guesses with the best expected tokens per second (`guess_count`), none where they cost more
+than they yield (a compute-bound batched forward). A forward where it could guess but chose
+not to relaxes its record toward the prior, so it guesses again now and then.
 """
 
 from __future__ import annotations
@@ -92,46 +99,93 @@ class DraftYield:
         self.per_step = self.per_step * self.decay + max(1, drafts) * (1 - self.decay)
 
 
+Fitted = tuple[float, float]
+"""(seconds per request, seconds per token) of a kind of forward, as fitted by `CostModel`."""
+
+
 @dataclass
 class CostModel:
     """Measured costs, as each request's share of the batched work it takes part in.
 
-    A draft step's share is its time over the requests it advanced. A verification pass is
-    fitted as `seconds = per_request * requests + per_token * tokens` over recent passes
-    (least squares), so a request verifying `x + 1` tokens is charged
-    `per_request + per_token * (x + 1)`.
+    A draft step's share is its time over the requests it advanced. A forward of either kind
+    (verification passes; draft forwards) is fitted as `seconds = per_request * requests +
+    per_token * tokens` over its recent forwards (least squares), so a request verifying
+    `x + 1` tokens is charged `per_request + per_token * (x + 1)`, and a guess fed to a
+    forward `per_token` (`guess_count`).
     """
 
     draft_share_s: float | None = None
     passes: deque = field(default_factory=lambda: deque(maxlen=32))
+    drafts: deque = field(default_factory=lambda: deque(maxlen=32))
 
-    def record_draft_step(self, seconds: float, requests: int) -> None:
+    def record_draft_step(self, seconds: float, requests: int, tokens: int | None = None) -> None:
+        """A draft forward of `requests` requests feeding `tokens` tokens (default: one
+        each)."""
         share = seconds / max(1, requests)
         prev = self.draft_share_s
         self.draft_share_s = share if prev is None else 0.8 * prev + 0.2 * share
+        self.drafts.append((requests, requests if tokens is None else tokens, seconds))
 
     def record_verification(self, requests: int, tokens: int, seconds: float) -> None:
         self.passes.append((requests, tokens, seconds))
 
-    def verify_costs(self) -> tuple[float, float] | None:
-        """(seconds per request, seconds per verified token), or None before any pass."""
-        if not self.passes:
-            return None
-        snn = sum(n * n for n, _, _ in self.passes)
-        stt = sum(t * t for _, t, _ in self.passes)
-        snt = sum(n * t for n, t, _ in self.passes)
-        sns = sum(n * s for n, _, s in self.passes)
-        sts = sum(t * s for _, t, s in self.passes)
-        det = snn * stt - snt * snt
-        if len(self.passes) >= 3 and det > 1e-9 * snn * stt:
-            per_request = (sns * stt - sts * snt) / det
-            per_token = (snn * sts - snt * sns) / det
-            if per_request > 0 and per_token > 0:
-                return per_request, per_token
+    def verify_costs(self) -> Fitted | None:
+        """(seconds per request, seconds per verified token), or None before any pass; while
+        the two cannot be told apart yet, each takes half of the measured time."""
+        fitted = _fit(self.passes)
+        if fitted is not None or not self.passes:
+            return fitted
         total_s = sum(s for _, _, s in self.passes)
         requests = sum(n for n, _, _ in self.passes)
         tokens = sum(t for _, t, _ in self.passes)
-        return 0.5 * total_s / requests, 0.5 * total_s / tokens  # not separable yet: halves
+        return 0.5 * total_s / requests, 0.5 * total_s / tokens
+
+    def fitted_verify(self) -> Fitted | None:
+        """Verification passes' costs once the two terms can be told apart, else None."""
+        return _fit(self.passes)
+
+    def fitted_draft(self) -> Fitted | None:
+        """Draft forwards' costs once the two terms can be told apart, else None."""
+        return _fit(self.drafts)
+
+
+def _fit(forwards) -> Fitted | None:
+    """Least squares of `seconds = per_request * requests + per_token * tokens` over
+    (requests, tokens, seconds); None with fewer than 3 forwards, when they do not vary
+    enough to tell the terms apart, or when a term comes out non-positive."""
+    if len(forwards) < 3:
+        return None
+    snn = sum(n * n for n, _, _ in forwards)
+    stt = sum(t * t for _, t, _ in forwards)
+    snt = sum(n * t for n, t, _ in forwards)
+    sns = sum(n * s for n, _, s in forwards)
+    sts = sum(t * s for _, t, s in forwards)
+    det = snn * stt - snt * snt
+    if det <= 1e-9 * snn * stt:
+        return None
+    per_request = (sns * stt - sts * snt) / det
+    per_token = (snn * sts - snt * sns) / det
+    return (per_request, per_token) if per_request > 0 and per_token > 0 else None
+
+
+def guess_count(record: Acceptance, costs: Fitted | None, limit: int) -> int:
+    """How many n-gram guesses (0 to `limit`) a request feeds its next forward: the count
+    with the best expected tokens per second, each guess taken with the request's measured
+    probability (`record`) until its first miss, each costing `per_token` of the forward's
+    fitted `costs`. Unfitted costs (None): `limit`, which also varies the forwards' sizes
+    so that the fit can tell its terms apart. Ties go to fewer guesses."""
+    if limit <= 0 or costs is None:
+        return max(0, limit)
+    per_request, per_token = costs
+    best, best_speed, expected, power = 0, 0.0, 1.0, 1.0
+    for k in range(limit + 1):
+        if k:
+            power *= record.rate
+            expected += power
+        speed = expected / (per_request + per_token * (1 + k))
+        if speed > best_speed * (1 + 1e-9):
+            best, best_speed = k, speed
+    return best
 
 
 class HorizonPolicy:

@@ -57,7 +57,9 @@ class EngineConfig:
     from the prompt and output so far are proposed per forward and checked in that forward
     (0: off). In `vericache` and `lossy` mode the compressed-KV drafter checks them (several
     drafts per draft forward); in `full` mode the exact verifier does (classic lossless
-    prompt-lookup decoding). Only tokens the mode would emit without proposals are emitted."""
+    prompt-lookup decoding). Only tokens the mode would emit without proposals are emitted.
+    A ceiling: each forward feeds as many as pay under its measured costs and the request's
+    guess acceptance (`decoder.horizon.guess_count`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:

@@ -13,6 +13,7 @@ from decoder.compressors import CompressedKV, CompressorPipeline, parse_compress
 from decoder.engine.admission import Admission
 from decoder.engine.config import EngineConfig
 from decoder.engine.exact import ExactPasses
+from decoder.engine.guesses import Guesses
 from decoder.engine.planner import RoundPlanner
 from decoder.engine.prefix_work import compressed
 from decoder.engine.request import Prefix, Request, Ticket, TokenListener
@@ -51,6 +52,7 @@ class Engine:
         if self.config.mode != "full" and self.config.draft_mode == "fast":
             runner.prepare_fast()  # before any draft step is timed
         self.costs = CostModel()
+        self.guesses = Guesses(self.config.ngram, self.costs)
         self.budget = budget if budget is not None else KVBudget(self.config.kv_budget)
         self.ring = LayerRing(runner.config, runner.rc.key_chunk, self.config.staging_depth)
         self.stats = EngineStats()
@@ -196,8 +198,7 @@ class Engine:
         """Full-KV baseline: one exact step over the resident prefixes, checking each
         request's n-gram guesses in the same pass (when on)."""
         t0 = time.perf_counter()
-        for r in live:
-            r.drafts = r.proposals(min(self.config.ngram, r.remaining - 1))
+        self.guesses.exact(live)
         self.speculator.verify(live)
         self.stats.full_s += time.perf_counter() - t0
         self.stats.full_steps += 1
@@ -206,7 +207,7 @@ class Engine:
     def _lossy_step(self, live: list[Running]) -> None:
         """Compressed decoding (not lossless): one draft-mode step, emitted as is."""
         self.stats.steps += 1
-        self.speculator.decode(live, lambda r: r.proposals(min(self.config.ngram, r.remaining - 1)))
+        self.speculator.decode(live, lambda r: self.guesses.drafted(r, r.remaining - 1))
 
     def _vericache_step(self, live: list[Running]) -> None:
         """Requests still drafting draft one token; requests whose round is drafted verify
@@ -222,13 +223,14 @@ class Engine:
             self.speculator.draft(drafting, self._draft_proposals)
         ready = [r for r in live if not r.done and not _drafting(r, self.eos)]
         if ready:
+            self.guesses.exact([r for r in ready if r.horizon == 0])
             self.speculator.verify(ready)
             verified = [r for r in ready if not r.done]
             self.planner.plan(verified, self._iteration + 1, self.flight.running)
 
     def _draft_proposals(self, r: Running) -> list[int]:
         """n-gram guesses for a draft step: never past the round's horizon."""
-        return r.proposals(min(self.config.ngram, r.horizon - len(r.drafts) - 1))
+        return self.guesses.drafted(r, r.horizon - len(r.drafts) - 1)
 
     def _each(self, requests: list[Running], values: Sequence, work: Callable) -> None:
         """`work(r, value)` for each request still running; an error fails that one alone."""

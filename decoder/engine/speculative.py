@@ -85,7 +85,7 @@ class Speculator:
         logits = self.forward(drafting, feeds)
         self.each(drafting, list(zip(logits, feeds, strict=True)), self._extend_drafts)
         seconds = time.perf_counter() - t0
-        self.costs.record_draft_step(seconds, len(drafting))
+        self.costs.record_draft_step(seconds, len(drafting), sum(map(len, feeds)))
         self.stats.draft_s += seconds
         self.stats.draft_steps += 1
         self.stats.steps += 1
@@ -98,6 +98,7 @@ class Speculator:
         r.drafts.extend(new)
         r.draft.truncate(r.draft.tail_length - len(feed) + len(new))
         r.yields.record(len(new))
+        _guessed(r, len(feed) - 1, len(new) - 1)
         r.stats.draft_steps += 1
         r.stats.proposed += len(feed) - 1
         r.stats.proposals_taken += len(new) - 1
@@ -105,10 +106,12 @@ class Speculator:
     def decode(self, requests: list[Running], proposals: Callable[[Running], list[int]]) -> None:
         """Lossy decoding: the drafter's choices are emitted as they are (checked guesses
         included), without verification."""
+        t0 = time.perf_counter()
         requests = grouped(requests, lambda r: r.group)
         feeds = [[r.last, *proposals(r)] for r in requests]
         logits = self.forward(requests, feeds)
         self.each(requests, list(zip(logits, feeds, strict=True)), self._emit_unverified)
+        self.costs.record_draft_step(time.perf_counter() - t0, len(requests), sum(map(len, feeds)))
 
     def _emit_unverified(self, r: Running, checked: tuple[torch.Tensor, list[int]]) -> None:
         logits, feed = checked
@@ -116,6 +119,7 @@ class Speculator:
         new = _checked_run(feed, choices, self.eos)
         taken = r.emit(new)
         r.draft.truncate(r.draft.tail_length - len(feed) + taken)
+        _guessed(r, len(feed) - 1, max(0, taken - 1))
         r.stats.proposed += len(feed) - 1
         r.stats.proposals_taken += max(0, taken - 1)
 
@@ -166,6 +170,13 @@ class Speculator:
         self.each(ready, list(zip(logits, kept, strict=True)), lambda r, v: _accept(r, *v))
 
 
+def _guessed(r: Running, guesses: int, taken: int) -> None:
+    """`taken` of the `guesses` n-gram guesses `r` fed a forward held (none fed: nothing
+    learnt; a forward that chose none is recorded where it chose, `Engine._guesses`)."""
+    if guesses > 0:
+        r.guessing.record(guesses, taken)
+
+
 def _checked_run(feed: Sequence[int], choices: Sequence[int], eos: frozenset[int]) -> list[int]:
     """The checking forward's choices up to the first guess it disagrees with: `feed` is the
     latest token and the guesses after it, `choices[i]` the forward's choice after feed[i].
@@ -180,11 +191,15 @@ def _accept(r: Running, logits: torch.Tensor, before: int) -> None:
     (`before`: the tail's length before the verification)."""
     choices = r.sampler.choose_rows(logits, len(r.out))
     accepted = accept_length(r.drafts, choices)
-    r.acceptance.record(len(r.drafts), accepted)
-    r.stats.record_round(len(r.drafts), accepted)
-    if r.draft is None:  # full-KV mode: the drafts were n-gram guesses
+    if r.horizon == 0:  # an exact step (full-KV mode, or an exact round): guesses, if any
+        r.acceptance.record(0, 0)
+        r.stats.record_round(0, 0)
+        _guessed(r, len(r.drafts), accepted)
         r.stats.proposed += len(r.drafts)
         r.stats.proposals_taken += accepted
+    else:
+        r.acceptance.record(len(r.drafts), accepted)
+        r.stats.record_round(len(r.drafts), accepted)
     taken = r.emit(choices[: accepted + 1])
     rollback(r, before, taken)
     r.drafts = []  # the round is over: the next one drafts (or guesses) afresh

@@ -80,6 +80,8 @@ class Running:
     verify_at: int = 0  # iteration of this round's verification (staggering)
     acceptance: Acceptance = field(default_factory=Acceptance)
     yields: DraftYield = field(default_factory=DraftYield)
+    guessing: Acceptance = field(default_factory=Acceptance)
+    """How often its n-gram guesses are taken (`decoder.horizon.guess_count`)."""
     stats: RequestStats = field(default_factory=RequestStats)
     at_admission: EngineStats = field(default_factory=EngineStats)
     """The engine's stats when the request was admitted (its own share is the difference)."""

@@ -186,6 +186,21 @@ def test_full_kv_with_ngram_proposals_is_full_kv(sampling, builtin_model, builti
     assert sum(r.stats["ngram_accepted"] for r in results) > 0
 
 
+def test_exact_rounds_check_ngram_guesses_in_the_exact_pass(
+    builtin_model, builtin_runner, workload
+):
+    """A request the policy keeps on exact steps (here horizon 0) still gains from its
+    n-gram guesses, checked by the exact pass as in the full-KV + n-gram baseline: no draft
+    forward, guesses taken, every token full KV's."""
+    split, refs = workload
+    config = EngineConfig(mode="vericache", horizon=0, ngram=8)
+    results = _run(builtin_runner, builtin_model, workload, config, SamplingParams())
+    assert [r.tokens for r in results] == refs[SamplingParams()]
+    assert all(r.stats["draft_steps"] == 0 and r.stats["drafted"] == 0 for r in results)
+    assert sum(r.stats["ngram_accepted"] for r in results) > 0
+    assert sum(r.stats["verifications"] for r in results) < sum(len(r.tokens) - 1 for r in results)
+
+
 def test_resident_and_pulled_prefixes_give_identical_tokens(
     builtin_model, builtin_runner, workload
 ):

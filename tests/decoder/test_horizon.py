@@ -11,6 +11,7 @@ from decoder.horizon import (
     CostModel,
     DraftYield,
     HorizonPolicy,
+    guess_count,
 )
 
 
@@ -117,3 +118,55 @@ def test_a_model_that_keeps_choosing_exact_steps_still_probes_a_bounded_share():
     assert reasons == probe * 3
     assert policy.choose(Acceptance(idle=PROBE_EVERY), model).horizon == PROBE_HORIZON
     assert policy.choose(Acceptance(idle=PROBE_EVERY), model).gain < 1
+
+
+def draft_forwards(per_request: float, per_token: float) -> CostModel:
+    """Draft forwards of 8 requests feeding 8 to 72 tokens, timed by the two costs."""
+    model = CostModel()
+    for tokens in (8, 72, 30, 50):
+        model.record_draft_step(per_request * 8 + per_token * tokens, 8, tokens)
+    return model
+
+
+def test_draft_forwards_are_fitted_by_tokens_fed():
+    per_request, per_token = draft_forwards(0.01, 0.004).fitted_draft()
+    assert abs(per_request - 0.01) < 1e-9 and abs(per_token - 0.004) < 1e-9
+
+
+def test_forwards_of_one_size_are_not_fitted():
+    model = CostModel()
+    for _ in range(5):
+        model.record_draft_step(0.2, 4)
+        model.record_verification(4, 4, 0.3)
+    assert model.fitted_draft() is None and model.fitted_verify() is None
+    assert model.verify_costs() == (0.5 * 1.5 / 20, 0.5 * 1.5 / 20)  # halves, for the horizon
+
+
+def test_guesses_that_are_taken_and_cheap_to_check_are_fed_in_full():
+    taken = acceptance([(8, 8)] * 6)
+    memory_bound = draft_forwards(0.05, 0.0005).fitted_draft()  # a token costs 1% of a row
+    assert guess_count(taken, memory_bound, 8) == 8
+
+
+def test_guesses_cost_more_than_they_yield_in_a_compute_bound_forward():
+    """At batch 8 on a CPU each fed token costs about a row's share: rarely taken guesses
+    are not fed at all, and even good ones only a few at a time."""
+    rare = acceptance([(8, 0), (8, 1), (8, 0), (8, 0)])
+    compute_bound = draft_forwards(0.005, 0.01).fitted_draft()
+    assert guess_count(rare, compute_bound, 8) == 0
+    assert 0 < guess_count(acceptance([(8, 3)] * 6), compute_bound, 8) < 8
+
+
+def test_unmeasured_costs_guess_the_limit_and_a_limit_of_zero_guesses_nothing():
+    assert guess_count(Acceptance(), None, 5) == 5
+    taken, memory_bound = acceptance([(8, 8)] * 6), draft_forwards(0.05, 0.0005).fitted_draft()
+    assert guess_count(taken, memory_bound, 0) == 0
+
+
+def test_a_request_that_stopped_guessing_guesses_again_as_its_record_relaxes():
+    record = acceptance([(8, 0)] * 6)
+    costs_ = draft_forwards(0.01, 0.004).fitted_draft()
+    assert guess_count(record, costs_, 8) == 0
+    for _ in range(30):
+        record.record(0, 0)  # a forward that could have guessed, and did not
+    assert guess_count(record, costs_, 8) > 0
