@@ -172,7 +172,7 @@ class Speculator:
 
 def _guessed(r: Running, guesses: int, taken: int) -> None:
     """`taken` of the `guesses` n-gram guesses `r` fed a forward held (none fed: nothing
-    learnt; a forward that chose none is recorded where it chose, `Engine._guesses`)."""
+    learnt; a forward that chose none is recorded where it chose, `Guesses.feed`)."""
     if guesses > 0:
         r.guessing.record(guesses, taken)
 
