@@ -207,7 +207,8 @@ class Engine:
     def _lossy_step(self, live: list[Running]) -> None:
         """Compressed decoding (not lossless): one draft-mode step, emitted as is."""
         self.stats.steps += 1
-        self.speculator.decode(live, lambda r: self.guesses.drafted(r, r.remaining - 1))
+        guess = self.guesses.drafted()
+        self.speculator.decode(live, lambda r: guess(r, r.remaining - 1))
 
     def _vericache_step(self, live: list[Running]) -> None:
         """Requests still drafting draft one token; requests whose round is drafted verify
@@ -220,17 +221,14 @@ class Engine:
         if pulled:
             self.ring.begin([g.pass_group() for g in pulled])
         if drafting:
-            self.speculator.draft(drafting, self._draft_proposals)
+            guess = self.guesses.drafted()  # never past the round's horizon:
+            self.speculator.draft(drafting, lambda r: guess(r, r.horizon - len(r.drafts) - 1))
         ready = [r for r in live if not r.done and not _drafting(r, self.eos)]
         if ready:
             self.guesses.exact([r for r in ready if r.horizon == 0])
             self.speculator.verify(ready)
             verified = [r for r in ready if not r.done]
             self.planner.plan(verified, self._iteration + 1, self.flight.running)
-
-    def _draft_proposals(self, r: Running) -> list[int]:
-        """n-gram guesses for a draft step: never past the round's horizon."""
-        return self.guesses.drafted(r, r.horizon - len(r.drafts) - 1)
 
     def _each(self, requests: list[Running], values: Sequence, work: Callable) -> None:
         """`work(r, value)` for each request still running; an error fails that one alone."""

@@ -4,7 +4,7 @@ guess acceptance (`decoder.horizon.guess_count`), up to the engine's `ngram`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from decoder.engine.state import Running
 from decoder.horizon import CostModel, Fitted, guess_count
@@ -24,9 +24,11 @@ class Guesses:
         for r in requests:
             r.drafts = self.feed(r, r.remaining - 1, costs)
 
-    def drafted(self, r: Running, limit: int) -> list[int]:
-        """The guesses a draft forward checks for `r` (at most `limit`)."""
-        return self.feed(r, limit, self.costs.fitted_draft())
+    def drafted(self) -> Callable[[Running, int], list[int]]:
+        """For one draft forward: the guesses it checks for a request, at most a limit (its
+        costs fitted once for all of the forward's requests)."""
+        costs = self.costs.fitted_draft()
+        return lambda r, limit: self.feed(r, limit, costs)
 
     def feed(self, r: Running, limit: int, costs: Fitted | None) -> list[int]:
         """The guesses `r` feeds a forward whose fitted costs are `costs`, at most `limit`.

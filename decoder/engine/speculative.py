@@ -100,8 +100,6 @@ class Speculator:
         r.yields.record(len(new))
         _guessed(r, len(feed) - 1, len(new) - 1)
         r.stats.draft_steps += 1
-        r.stats.proposed += len(feed) - 1
-        r.stats.proposals_taken += len(new) - 1
 
     def decode(self, requests: list[Running], proposals: Callable[[Running], list[int]]) -> None:
         """Lossy decoding: the drafter's choices are emitted as they are (checked guesses
@@ -120,8 +118,6 @@ class Speculator:
         taken = r.emit(new)
         r.draft.truncate(r.draft.tail_length - len(feed) + taken)
         _guessed(r, len(feed) - 1, max(0, taken - 1))
-        r.stats.proposed += len(feed) - 1
-        r.stats.proposals_taken += max(0, taken - 1)
 
     def forward(self, requests: list[Running], feeds: list[list[int]]) -> list:
         """One draft-mode forward of each request's `feeds` tokens (grouped by prefix);
@@ -171,8 +167,11 @@ class Speculator:
 
 
 def _guessed(r: Running, guesses: int, taken: int) -> None:
-    """`taken` of the `guesses` n-gram guesses `r` fed a forward held (none fed: nothing
-    learnt; a forward that chose none is recorded where it chose, `Guesses.feed`)."""
+    """`taken` of the `guesses` n-gram guesses `r` fed a forward held: counted in its stats
+    and its guess record (none fed: nothing learnt; a forward that chose none is recorded
+    where it chose, `Guesses.feed`)."""
+    r.stats.proposed += guesses
+    r.stats.proposals_taken += taken
     if guesses > 0:
         r.guessing.record(guesses, taken)
 
@@ -195,8 +194,6 @@ def _accept(r: Running, logits: torch.Tensor, before: int) -> None:
         r.acceptance.record(0, 0)
         r.stats.record_round(0, 0)
         _guessed(r, len(r.drafts), accepted)
-        r.stats.proposed += len(r.drafts)
-        r.stats.proposals_taken += accepted
     else:
         r.acceptance.record(len(r.drafts), accepted)
         r.stats.record_round(len(r.drafts), accepted)
