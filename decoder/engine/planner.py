@@ -61,6 +61,7 @@ class RoundPlanner:
                     choice, horizon = Choice(0, "room"), 0
                 r.stats.chose(choice)
                 self._plan_round(r, start, horizon, stagger, running)
+                r.acceptance.planned(choice, r.horizon)
 
     def drafts(self, req: Request, running: Sequence[Running]) -> bool:
         """Whether a new prefix group for `req` should draft; if not, it is served as full-KV

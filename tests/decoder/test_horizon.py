@@ -5,6 +5,7 @@ from __future__ import annotations
 from decoder.horizon import (
     PROBE_EVERY,
     PROBE_HORIZON,
+    PROBE_MAX,
     START_HORIZON,
     Acceptance,
     Choice,
@@ -106,18 +107,36 @@ def test_the_choice_says_why_and_what_the_model_expects():
 
 def test_a_model_that_keeps_choosing_exact_steps_still_probes_a_bounded_share():
     """Draft steps dearer than what any acceptance could repay: the model says exact steps
-    whatever the record, so without probes nothing would be measured again. One round in
-    PROBE_EVERY + 1 drafts PROBE_HORIZON; a round that drafted resets the count."""
+    whatever the record, so without probes nothing would be measured again. The first probe
+    comes after PROBE_EVERY rounds without drafting, each probe the model does not follow
+    doubles the wait, up to PROBE_MAX; a probe drafts PROBE_HORIZON tokens."""
     record, policy, model = Acceptance(), HorizonPolicy(None, 32), costs(5.0, 0.5, 0.015)
-    reasons = []
-    for _ in range(3 * (PROBE_EVERY + 1)):
+    waits, idle = [], 0
+    while len(waits) < 6:
         choice = policy.choose(record, model)
-        reasons.append(choice.reason)
+        record.planned(choice, choice.horizon)  # as the planner does
         record.record(choice.horizon, 0)
-    probe = ["exact"] * PROBE_EVERY + ["probe"]
-    assert reasons == probe * 3
-    assert policy.choose(Acceptance(idle=PROBE_EVERY), model).horizon == PROBE_HORIZON
-    assert policy.choose(Acceptance(idle=PROBE_EVERY), model).gain < 1
+        if choice.reason == "probe":
+            assert choice.horizon == PROBE_HORIZON and choice.gain < 1
+            waits.append(idle)
+            idle = 0
+        else:
+            assert choice == Choice(0, "exact", 1.0)
+            idle += 1
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_MAX, PROBE_MAX, PROBE_MAX]
+
+
+def test_drafting_by_the_models_choice_brings_probes_back_to_their_first_wait():
+    """A probe that showed drafting pays (the model then chooses to draft) resets the wait:
+    when the same request later falls back to exact steps, it probes after PROBE_EVERY."""
+    record, policy = Acceptance(probe_after=PROBE_MAX), HorizonPolicy(None, 32)
+    drafting = policy.choose(acceptance([(16, 16)] * 6), costs(0.02, 0.5, 0.015))
+    record.planned(drafting, drafting.horizon)
+    assert record.probe_after == PROBE_EVERY
+    record.planned(Choice(PROBE_HORIZON, "probe", 0.9), 0)  # outvoted by its group: no probe
+    assert record.probe_after == PROBE_EVERY
+    record.planned(Choice(PROBE_HORIZON, "probe", 0.9), PROBE_HORIZON)
+    assert record.probe_after == 2 * PROBE_EVERY
 
 
 def draft_forwards(per_request: float, per_token: float) -> CostModel:
