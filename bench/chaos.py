@@ -31,9 +31,18 @@ Faults (`--faults` picks some; those needing root are skipped without it):
 - disk-corrupt: bytes of stored blobs flipped on disk (a rotting disk).
 - transit-corrupt: bytes flipped on their way out of the shards, after the shards' own
   checks (`prefix_store.faults`).
+- attend-corrupt: near-data attention partials flipped on their way out of the shards
+  (`--placement near`, where every lossless generation verifies near the data): the
+  decoders' sessions detect them (CRC-32C) and read them from the replica, or redo the pass
+  with the prefix pulled; no generation fails and no token differs.
+
+With `--placement near` the decoders attend every prefix on the shards (Attend streams, no
+resident copies), so every fault also meets near-data verification: a shard killed or
+stopped mid-pass, a corrupt blob read for partials. Each window counts the lossless
+generations that verified near the data (`near_generations`).
 
 Usage: python bench/chaos.py [--clients 16] [--tenants 4] [--hold 15] [--faults ...]
-       [--out bench/results/chaos.json]
+       [--placement auto|near|pull] [--out bench/results/chaos.json]
 """
 
 from __future__ import annotations
@@ -80,6 +89,7 @@ from bench.load import (  # noqa: E402
     summarise,
 )
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
+from decoder.config import PLACEMENTS  # noqa: E402
 from decoder.progress import progress  # noqa: E402
 from decoder.service.client import DecoderClient  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
@@ -179,6 +189,7 @@ def chaos_deployment(config: LoadConfig, own_disk: bool) -> Iterator[Deployment]
                 port=free_ports(config.shards),
                 data_port=free_ports(config.shards),
                 decoder_port=free_ports(config.decoders),
+                **config.serving(),
             )
             with Deployment(serve) as deployment:
                 yield deployment
@@ -432,6 +443,20 @@ def transit_corrupt(chaos: Chaos) -> Repair:
     return repair
 
 
+def attend_corrupt(chaos: Chaos) -> Repair:
+    """Corrupt the next Attend answers leaving each shard (the partials of one near-data
+    query each); only decoders attend, so it takes effect once a generation verifies near
+    the data in the window (`--placement near`)."""
+    actors = list(chaos.deployment.actors.values())
+    before = sum(ray.get([a.inject_attend_faults.remote(8) for a in actors], timeout=30))
+
+    def repair() -> dict[str, int]:
+        fired = sum(ray.get([a.inject_attend_faults.remote(0) for a in actors], timeout=30))
+        return {"corrupted_partials": fired - before}
+
+    return repair
+
+
 WINDOW = (
     "{failovers} fetch failovers, {unreachable} calls finding a shard unreachable, {errors} failed"
 )
@@ -505,6 +530,16 @@ FAULTS = {
             (("corrupted",), ("transit_detected",)),
             frozenset(),
         ),
+        Fault(
+            "attend-corrupt",
+            "detected by the decoder, read from the replica or pulled; no wrong token",
+            attend_corrupt,
+            "{corrupted_partials} near-data answers corrupted in transit (only decoders "
+            "attend: each reached a decoder's check); {near_generations} generations started "
+            "in the window verified near the data, {generate_errors} failed",
+            (("corrupted_partials",),),
+            frozenset(),
+        ),
     )
 }
 
@@ -541,6 +576,7 @@ def window(outcomes: list[Outcome], generations: list[Generation], wrong: int) -
         "missing_replicas": sum(o.missing_replicas for o in outcomes),
         "lost_bytes": sum(o.lost_bytes for o in outcomes),
         "checked_generations": sum(g.mode in LOSSLESS for g in generations),
+        "near_generations": sum(g.near_passes > 0 for g in generations),
         "wrong_generations": wrong,
     }
 
@@ -722,10 +758,16 @@ def main() -> int:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--hold", type=float, default=15.0, help="seconds each fault lasts")
     ap.add_argument("--faults", nargs="+", choices=sorted(FAULTS))
+    ap.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="auto",
+        help="where decoders verify; near: every lossless generation attends near the data",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"))
     args = ap.parse_args()
     faults = selected(args.faults)
-    config = LoadConfig(clients=args.clients, tenants=args.tenants)
+    config = LoadConfig(clients=args.clients, tenants=args.tenants, placement=args.placement)
     from decoder.loader import load_model
     from decoder.runner import ModelRunner
 

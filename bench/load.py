@@ -57,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.serve import Deployment, ServeConfig  # noqa: E402
+from decoder.config import Placement  # noqa: E402
 from decoder.progress import progress  # noqa: E402
 from decoder.service.client import DecoderClient  # noqa: E402
 from prefix_store.client import StoreClient  # noqa: E402
@@ -94,6 +95,15 @@ class LoadConfig:
     timeout_s: float = 300.0
     """Per operation (a generate waits its turn behind every client's)."""
     seed: int = 0
+    placement: Placement = "auto"
+    """Where the decoders verify (`serve --placement`). `near` also turns resident prefixes
+    off, so that every lossless generation attends its prefix on the shards (Attend
+    streams) instead of reading a copy it would hold: faults then meet near-data
+    verification."""
+
+    def serving(self) -> dict:
+        """The deployment settings that follow from the load's (`ServeConfig` fields)."""
+        return {"placement": self.placement, "resident_prefixes": self.placement != "near"}
 
 
 MISS = "MISS"
@@ -136,6 +146,8 @@ class Generation:
     mode: str
     tokens: list[int]
     started: float = 0.0
+    near_passes: int = 0
+    """Its verification passes that attended the prefix on the shards."""
 
 
 class Recorder:
@@ -442,7 +454,8 @@ class Workload:
         started = time.monotonic()
         reply = decoder.generate(token_ids=prompt, max_new_tokens=self.config.new_tokens, mode=mode)
         if mode in LOSSLESS:
-            self.recorder.generated(Generation(prompt, mode, list(reply.tokens), started))
+            near = int(reply.stats.get("near_passes", 0))
+            self.recorder.generated(Generation(prompt, mode, list(reply.tokens), started, near))
         return Done()
 
     def sweep(self, recorder: Recorder | None = None) -> None:
@@ -710,6 +723,7 @@ def deployment_for(config: LoadConfig, redis_url: str | None = None, **serve) ->
             disk_bytes=512 * MiB,
             state_dir=Path(home) / "state",
             redis_url=redis_url,
+            **config.serving(),
         )
         settings.update(serve)
         with Deployment(ServeConfig(**settings)) as deployment:

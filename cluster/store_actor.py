@@ -49,6 +49,13 @@ class ShardActor:
         faults.TRANSIT.arm(frames)
         return faults.TRANSIT.fired
 
+    def inject_attend_faults(self, answers: int) -> int:
+        """Fault injection (`make chaos`): corrupt the next `answers` Attend answers (the
+        partials of one near-data query each) on their way out (0 disarms). Returns how
+        many were corrupted so far."""
+        faults.ATTEND.arm(answers)
+        return faults.ATTEND.fired
+
     def stop(self) -> None:
         """Graceful: leave the membership, finish RPCs, persist memory to disk."""
         self.server.stop()

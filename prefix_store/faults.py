@@ -1,6 +1,8 @@
 """Fault injection for tests and chaos runs: bytes corrupted on their way out of a shard,
-after every check the shard makes, as a bit flipped on the wire would be. Disarmed unless a
-test (or `make chaos`, in the shard's process) arms it; disarmed it costs one comparison."""
+after every check the shard makes, as a bit flipped on the wire would be: fetched layers
+and data-plane messages (`TRANSIT`), or near-data attention partials (`ATTEND`, apart so
+that a fault can aim at near-data verification alone). Disarmed unless a test (or `make
+chaos`, in the shard's process) arms it; disarmed it costs one comparison."""
 
 from __future__ import annotations
 
@@ -43,3 +45,6 @@ class TransitFaults:
 
 
 TRANSIT = TransitFaults()
+"""Fetched layers (gRPC Fetch and the data plane) and data-plane messages."""
+ATTEND = TransitFaults()
+"""Attend answers: one flipped byte in a query's partials (m, l, acc)."""

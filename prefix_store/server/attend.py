@@ -160,7 +160,7 @@ class AttendSession:
         partials = near_data.chunk_partials(q, keys, values)
         m, denom, acc = (as_bytes(t) for t in (partials.m, partials.l, partials.acc))
         crc = crc32c(acc, crc32c(denom, crc32c(m)))
-        m, denom, acc = (bytes(b) for b in faults.TRANSIT.tamper([m, denom, acc]))
+        m, denom, acc = (bytes(b) for b in faults.ATTEND.tamper([m, denom, acc]))
         return pb.AttendResponse(
             layer=query.layer,
             m=m,

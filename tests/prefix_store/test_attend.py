@@ -15,7 +15,7 @@ from vericache.v1 import prefix_store_pb2_grpc as pb_grpc
 
 from numerics.cpu import partials as attention
 from prefix_store.errors import KernelMismatch, LimitExceeded, NotFound, Unavailable
-from prefix_store.faults import TRANSIT
+from prefix_store.faults import ATTEND
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallBounds
 from tests.prefix_store.conftest import random_kv
@@ -271,14 +271,14 @@ def test_partials_corrupted_in_transit_are_read_from_a_replica(store, metadata):
     with store.client(token) as client:
         prefix, kv = publish(client, 16 * 3, seed=7)
         with client.open_attention(prefix, HEADS, KERNEL) as session:
-            fired = TRANSIT.fired
-            TRANSIT.arm(1)
+            fired = ATTEND.fired
+            ATTEND.arm(1)
             try:
                 q = rows(2, seed=9)
                 assert_bitwise(session.query(1, q), local(kv, 3, 1, q))
             finally:
-                TRANSIT.disarm()
-            assert TRANSIT.fired == fired + 1
+                ATTEND.disarm()
+            assert ATTEND.fired == fired + 1
 
 
 def test_attend_streams_per_tenant_are_bounded(store, metadata):

@@ -13,7 +13,7 @@ import pytest
 from prefix_store.client import AsyncStoreClient
 from prefix_store.config import ClientConfig
 from prefix_store.errors import InvalidArgument, NotFound, Unavailable
-from prefix_store.faults import TRANSIT
+from prefix_store.faults import ATTEND
 from prefix_store.limits import CallBounds
 from tests.prefix_store.test_attend import HEADS, KERNEL, LAYOUT, assert_bitwise, local, publish
 from tests.prefix_store.test_attend import rows as query_rows
@@ -109,14 +109,14 @@ def test_async_partials_corrupted_in_transit_are_read_from_a_replica(store, meta
 
     async def main():
         async with attending(store, token, prefix) as (client, session):
-            fired = TRANSIT.fired
-            TRANSIT.arm(1)
+            fired = ATTEND.fired
+            ATTEND.arm(1)
             try:
                 q = query_rows(2, seed=9)
                 assert_bitwise(await session.query(1, q), local(kv, 3, 1, q))
             finally:
-                TRANSIT.disarm()
-            assert TRANSIT.fired == fired + 1
+                ATTEND.disarm()
+            assert ATTEND.fired == fired + 1
 
     asyncio.run(main())
 
