@@ -536,7 +536,8 @@ FAULTS = {
             attend_corrupt,
             "{corrupted_partials} near-data answers corrupted in transit (only decoders "
             "attend: each reached a decoder's check); {near_generations} generations started "
-            "in the window verified near the data, {generate_errors} failed",
+            "in the window verified near the data, {near_retries} passes redone pulling, "
+            "{generate_errors} failed",
             (("corrupted_partials",),),
             frozenset(),
         ),
@@ -577,6 +578,7 @@ def window(outcomes: list[Outcome], generations: list[Generation], wrong: int) -
         "lost_bytes": sum(o.lost_bytes for o in outcomes),
         "checked_generations": sum(g.mode in LOSSLESS for g in generations),
         "near_generations": sum(g.near_passes > 0 for g in generations),
+        "near_retries": sum(g.near_retries for g in generations),
         "wrong_generations": wrong,
     }
 

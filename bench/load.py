@@ -148,6 +148,8 @@ class Generation:
     started: float = 0.0
     near_passes: int = 0
     """Its verification passes that attended the prefix on the shards."""
+    near_retries: int = 0
+    """Its passes undone while attending near the data and redone pulling."""
 
 
 class Recorder:
@@ -454,8 +456,11 @@ class Workload:
         started = time.monotonic()
         reply = decoder.generate(token_ids=prompt, max_new_tokens=self.config.new_tokens, mode=mode)
         if mode in LOSSLESS:
-            near = int(reply.stats.get("near_passes", 0))
-            self.recorder.generated(Generation(prompt, mode, list(reply.tokens), started, near))
+            stats = reply.stats
+            near, retries = int(stats.get("near_passes", 0)), int(stats.get("near_retries", 0))
+            self.recorder.generated(
+                Generation(prompt, mode, list(reply.tokens), started, near, retries)
+            )
         return Done()
 
     def sweep(self, recorder: Recorder | None = None) -> None:

@@ -275,6 +275,7 @@ class Engine:
             "near_passes": s.near_passes,
             "near_wire_s": round(s.near_wire_s, 4),
             "near_shard_s": round(s.near_shard_s, 4),
+            "near_retries": s.near_retries,
             "peak_staging_bytes": self.exact.peak_staging_bytes,
             "recomputed": group.local,
             "resident_prefix": group.resident is not None,

@@ -33,6 +33,10 @@ class RequestStats:
     """Its share of the time those passes waited for partials (round trips, shard compute)."""
     near_shard_s: float = 0.0
     """Of which the shards computed."""
+    near_retries: int = 0
+    """Exact passes undone while attending its prefix on the shards (a shard busy, or a
+    failure its replicas could not cover: corrupt partials from both copies, no copy left)
+    and redone with the prefix pulled; no token left them."""
     compress_s: float = 0.0
     prefill_s: float = 0.0
     rounds: Counter = field(default_factory=Counter)

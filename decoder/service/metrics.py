@@ -90,6 +90,13 @@ class DecoderMetrics:
             ["path"],
             registry=r,
         )
+        self.near_retries = Counter(
+            f"{PREFIX}_near_retries_total",
+            "Exact passes undone while attending a prefix on the shards (a busy shard, or a "
+            "failure the replicas could not cover) and redone with the prefix pulled, per "
+            "request in the pass.",
+            registry=r,
+        )
         self.per_token = Histogram(
             f"{PREFIX}_pulled_bytes_per_token",
             "Full-KV bytes pulled per generated token, per finished request.",
@@ -125,6 +132,7 @@ class DecoderMetrics:
         pulled = float(stats.get("pulled_bytes", 0))
         self.read_bytes.labels("pull").inc(pulled)
         self.read_bytes.labels("near").inc(float(stats.get("near_bytes", 0)))
+        self.near_retries.inc(int(stats.get("near_retries", 0)))
         if generated:
             self.per_token.observe(pulled / generated)
         for accepted, rounds in stats.get("accepted_histogram", {}).items():

@@ -291,6 +291,7 @@ def test_a_shard_stopped_mid_pass_is_replaced_by_a_replica(
     assert result.tokens == want
     assert result.stats["pulled_bytes"] <= one_chunk(result.stats)
     assert result.stats["near_passes"] >= 3
+    assert result.stats["near_retries"] == 0  # the replica answered: no pass was redone
 
 
 def test_no_replica_left_falls_back_to_pulling_then_recomputing(
@@ -326,6 +327,7 @@ def test_no_replica_left_falls_back_to_pulling_then_recomputing(
         store.close()
     assert result.tokens == want
     assert result.stats["recomputed"]
+    assert result.stats["near_retries"] == 1  # the one near-data pass undone, then redone
 
 
 def test_long_passes_are_split_into_several_queries_per_layer(

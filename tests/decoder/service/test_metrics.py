@@ -77,6 +77,7 @@ def test_metrics_and_audits_after_a_small_workload(decoder, metadata, builtin_mo
     assert sum(rounds.values()) == verifications and rounds["start"] >= 1
     for reply in (greedy, sampled):  # every round's horizon says why it was chosen
         assert sum(reply.stats["policy"].values()) == reply.stats["verifications"]
+    assert got[("vericache_decoder_near_retries_total",)] == 0  # no pass was redone
     assert got[("vericache_decoder_kv_budget_bytes",)] == 1 << 30
     assert got[("vericache_decoder_tokens_per_second",)] > 0
     assert greedy.stats["request_id"] != sampled.stats["request_id"]
