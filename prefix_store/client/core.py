@@ -331,7 +331,13 @@ class ClientCore:
         return Attempts(self.config, self.healthy_first(shard_ids), self.failed, wait_when_busy)
 
     def address(self, shard_id: str) -> str:
-        return self.topology.shards[shard_id]
+        """The shard's address; Unavailable when it has left the membership since the
+        call's attempts were planned (a refresh on another thread in between), so that the
+        call moves on to the next target as from an unreachable shard."""
+        address = self.topology.shards.get(shard_id)
+        if address is None:
+            raise Unavailable(f"{shard_id} left the membership since the call was planned")
+        return address
 
     def groups(self, chunks: Sequence[ChunkPlan], failed: frozenset) -> dict[str, list]:
         """Chunks by best owner not in `failed`, leaving out avoided shards where a replica
