@@ -82,6 +82,7 @@ from bench.load import (  # noqa: E402
     Recorder,
     Workload,
     check_generations,
+    error_samples,
     errors_of,
     integrity,
     prefix_of,
@@ -572,6 +573,7 @@ def window(outcomes: list[Outcome], generations: list[Generation], wrong: int) -
         "operations": len(outcomes),
         "errors": sum(errors.values()),
         "by_status": errors,
+        "samples": error_samples(outcomes),
         "misses": sum(o.status == MISS for o in outcomes),
         "generate_errors": sum(o.op == "generate" and o.status not in ANSWERED for o in outcomes),
         "missing_replicas": sum(o.missing_replicas for o in outcomes),
@@ -606,6 +608,7 @@ def fault_result(run: FaultRun, figures: dict) -> dict:
         "required": [list(group) for group in run.fault.evidence],
         "allowed": sorted(run.fault.allowed),
         "errors": figures["by_status"],
+        "error_samples": figures["samples"],
         "repair_error": run.repair_error,
         "lost_bytes": figures["lost_bytes"],
         "checked_generations": figures["checked_generations"],
@@ -708,6 +711,10 @@ def print_table(result: dict) -> None:
         print(f"{r['fault']:<17} {recovery:>10} {r['lost_bytes']:>6} "
               f"{r['checked_generations']:>7}  {r['observed']}")  # fmt: skip
         print(f"{'':<44}expected: {r['expected']}; errors: {errors}")
+        for status, samples in sorted(r["error_samples"].items()):
+            if status not in r["allowed"]:  # what the verdict fails on: say what it was
+                for sample in samples:
+                    print(f"{'':<44}{status}: {sample}")
 
 
 def verdict(result: dict) -> list[str]:

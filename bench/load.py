@@ -46,6 +46,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import traceback
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
@@ -138,6 +139,8 @@ class Outcome:
     lost_bytes: int = 0
     started: float = 0.0
     missing_replicas: int = 0
+    detail: str = ""
+    """A failure's message (an exception's with where it was raised), for the report."""
 
 
 @dataclass
@@ -250,6 +253,25 @@ class ShardCounters:
                     self.losses.explain(name, stats.get(name, 0) - before.get(name, 0))
                 self._last[key] = stats
         return {index: stats for index, (_, stats) in now.items()}
+
+
+def detail_of(error: BaseException) -> str:
+    """What the report shows of a failure: its message, and for an exception that is no
+    store error (a bug) the last frames it was raised through."""
+    text = f"{type(error).__name__}: {error}"[:300]
+    if isinstance(error, StoreError):
+        return text
+    frames = traceback.extract_tb(error.__traceback__)[-3:]
+    return text + " at " + " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames)
+
+
+def error_samples(outcomes: list[Outcome], per_status: int = 3) -> dict[str, list[str]]:
+    """A few failures of each status (operation: detail), for the report."""
+    samples: dict[str, list[str]] = defaultdict(list)
+    for o in outcomes:
+        if o.status not in ANSWERED and len(samples[o.status]) < per_status:
+            samples[o.status].append(f"{o.op}: {o.detail}")
+    return dict(samples)
 
 
 def status_of(error: BaseException) -> str:
@@ -435,7 +457,7 @@ class Workload:
             outcome = Outcome(op, 0.0, status, done.verified_bytes, done.lost_bytes, started,
                               done.missing_replicas)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - every failure is a figure
-            outcome = Outcome(op, 0.0, status_of(error), started=started)
+            outcome = Outcome(op, 0.0, status_of(error), started=started, detail=detail_of(error))
         outcome.seconds = time.monotonic() - started
         recorder.add(outcome)
 
