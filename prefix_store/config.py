@@ -190,7 +190,9 @@ class ClientConfig:
     idle_timeout_s: float = 10.0
     """A connection with nothing moving for this long counts as lost (a dead link or host
     drops packets without resetting anything): data-plane sockets time out, gRPC keepalive
-    pings go unanswered, and the transfer continues on a replica."""
+    pings go unanswered, an Attend query waits no longer for its answer (a hung shard would
+    otherwise hold a decoder's whole pass), and the transfer or query continues on a
+    replica."""
     quarantine_s: float = 30.0
     """After a shard failed, transfers and calls prefer its replicas for this long."""
     refresh_s: float = 10.0

@@ -123,7 +123,7 @@ class AsyncAttentionSession(SessionBase):
         """`query`'s (part, response) from `link`, or from the links replacing it."""
         try:
             self.bytes_sent += query.request.ByteSize()
-            response = await link.exchange(query, self.core.deadlines.call)
+            response = await link.exchange(query, self.core.deadlines.idle)
             self.bytes_received += response.ByteSize()
             self.route.check(link.part, query, response)
             return [(link.part, response)]

@@ -84,8 +84,8 @@ class Deadlines:
     stream: float
     """Put, Fetch and artifact streams, data-plane puts, a layer's wait: `stream_timeout_s`."""
     idle: float
-    """Ticket calls (OpenPut, OpenFetch) and data-plane fetch sockets: a shard that stays
-    silent this long is lost and its replica takes over: `idle_timeout_s`."""
+    """Ticket calls (OpenPut, OpenFetch), data-plane fetch sockets and Attend answers: a
+    shard that stays silent this long is lost and its replica takes over: `idle_timeout_s`."""
 
     @classmethod
     def of(cls, config: ClientConfig) -> Deadlines:

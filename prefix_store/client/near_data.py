@@ -413,7 +413,7 @@ class AttentionSession(SessionBase):
         while pending:
             link = pending.pop(0)
             try:
-                response = link.receive(self.core.deadlines.call)
+                response = link.receive(self.core.deadlines.idle)
                 self.bytes_received += response.ByteSize()
                 self.route.check(link.part, query, response)
                 answers[link] = (link.part, response)

@@ -6,6 +6,7 @@ corruption in transit, the per-tenant stream limit, quiet streams and the disk t
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from prefix_store.errors import KernelMismatch, LimitExceeded, NotFound, Unavail
 from prefix_store.faults import ATTEND
 from prefix_store.layout import KVLayout
 from prefix_store.limits import CallBounds
+from prefix_store.server import attend as attend_server
 from tests.prefix_store.conftest import random_kv
 from tests.waiting import eventually
 
@@ -250,6 +252,50 @@ def test_a_shard_stopped_mid_session_fails_over_to_its_replica_bitwise(store, me
             for layer in (1, 0):
                 assert_bitwise(session.query(layer, q), local(kv, 6, layer, q))
             assert victim in client.suspects()
+
+
+def test_a_shard_that_hangs_mid_session_is_left_for_its_replica_after_the_idle_deadline(
+    store, metadata, monkeypatch
+):
+    """A hung shard (a stopped host: no answer, no error) is lost after the client's idle
+    deadline, as a silent data-plane socket is, not after the unary call deadline (30 s by
+    default, for which a decoder's whole forward would wait): the query is answered by the
+    replica, bitwise, while the hung shard still holds it."""
+    for shard in ("shard-0", "shard-1", "shard-2"):
+        store.start(shard)
+    metadata.set_replication(2)
+    token = metadata.add_tenant("alice")
+    victim, release = [], threading.Event()
+    hanging, hung_out = threading.Event(), threading.Event()
+    opened = attend_server.open_session
+
+    def open_hanging(shard, *args):
+        session = opened(shard, *args)
+        answer = session.answer
+
+        def answer_or_hang(query):
+            if query.layer == 1 and victim == [shard.config.shard_id]:
+                hanging.set()
+                release.wait(60)
+                hung_out.set()
+            return answer(query)
+
+        session.answer = answer_or_hang
+        return session
+
+    monkeypatch.setattr(attend_server, "open_session", open_hanging)
+    try:
+        with store.client(token, timeout_s=120.0, idle_timeout_s=0.5) as client:
+            prefix, kv = publish(client, 16 * 6 + 3, seed=3)
+            with client.open_attention(prefix, HEADS, KERNEL) as session:
+                q = rows(4, seed=5)
+                assert_bitwise(session.query(0, q), local(kv, 6, 0, q))
+                victim.append(client.topology.owners(session.chunks[0].parent)[0])
+                assert_bitwise(session.query(1, q), local(kv, 6, 1, q))
+                assert hanging.is_set() and not hung_out.is_set()  # answered while it hangs
+                assert victim[0] in client.suspects()
+    finally:
+        release.set()
 
 
 def test_with_no_replica_left_a_query_fails_unavailable_or_not_found(store, metadata):
