@@ -85,7 +85,10 @@ class ExactPasses:
             except PrefixUnavailable as error:
                 self.ring.cancel()
                 for i in pending:
-                    entries[i][0].tail.truncate(before[i])
+                    r = entries[i][0]
+                    r.tail.truncate(before[i])
+                    if r.group in near and r.group.source is error.source:
+                        r.stats.near_retries += 1  # its near-data pass is undone, redone
                 self.recover(error, near)
                 pending = [i for i in pending if not entries[i][0].done]
                 continue

@@ -256,9 +256,6 @@ class Residency:
         if group is None:
             raise error
         if group in near:
-            for r in self.flight.running:
-                if r.group is group and not r.done:
-                    r.stats.near_retries += 1
             if isinstance(error.cause, LimitExceeded) and group.near is not None:
                 group.near.skip = True
             else:
