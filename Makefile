@@ -140,8 +140,9 @@ load: install
 # The same load while faults are injected one after another (shard kill -9 and SIGSTOP,
 # Redis restart, a full disk, decoder kill -9, corruption on disk and in transit); a table
 # of fault / expected / observed / recovery seconds / lost. Needs root (tmpfs); ~15 minutes.
+# `make chaos CHAOS_ARGS="--placement near"`: decoders verify near the data, and one more fault.
 chaos: install
-	$(PY) bench/chaos.py
+	$(PY) bench/chaos.py $(CHAOS_ARGS)
 
 # A victim tenant's checked load beside each hostile-neighbour attack of issue 26 in turn
 # (and beside a benign neighbour at the same rate); the figures and targets. ~13 minutes.
