@@ -11,7 +11,7 @@ from collections import deque
 
 import pytest
 
-from bench.chaos import FAULTS, FaultRun, fault_problems, fault_result
+from bench.chaos import FAULTS, FaultRun, fault_problems, fault_result, print_table
 from bench.chaos import verdict as chaos_verdict
 from bench.load import Losses, Reads, Tenant
 from bench.load import verdict as load_verdict
@@ -92,7 +92,8 @@ def test_losses_explain_at_most_one_missed_prefix_each():
 def figures(**overrides) -> dict:
     base = {"operations": 40, "errors": 0, "by_status": {}, "misses": 0, "generate_errors": 0,
             "missing_replicas": 0, "lost_bytes": 0, "checked_generations": 3,
-            "wrong_generations": 0}  # fmt: skip
+            "near_generations": 0, "near_retries": 0, "wrong_generations": 0,
+            "samples": {}}  # fmt: skip
     return base | overrides
 
 
@@ -119,6 +120,7 @@ def test_a_fault_with_its_evidence_passes_and_says_what_was_measured():
         ("decoder-kill", {"in_flight": 2}, {}, {}, "(generate_errors: 0)"),
         ("redis-restart", {"restarted": 0}, {}, {"errors": 9}, "(restarted: 0)"),
         ("disk-full", {"disk_write_errors": 0}, {}, {}, "(disk_write_errors: 0)"),
+        ("attend-corrupt", {"corrupted_partials": 0}, {}, {}, "(corrupted_partials: 0)"),
         (
             "shard-stop",
             {},
@@ -143,6 +145,7 @@ def test_a_fault_with_its_evidence_passes_and_says_what_was_measured():
         "no-failure",
         "no-restart",
         "disk-not-full",
+        "attend-unfelt",
         "status",
         "miss-as-error",
     ],  # fmt: skip
@@ -150,6 +153,18 @@ def test_a_fault_with_its_evidence_passes_and_says_what_was_measured():
 def test_a_fault_that_did_not_prove_itself_fails(name, measured, events, window, complaint):
     problems = fault_problems(row(name, measured, events, **window))
     assert any(complaint in p for p in problems), problems
+
+
+def test_a_window_failing_with_a_status_it_does_not_expect_prints_what_failed(capsys):
+    """The verdict fails on the status; the table says which operation failed, and why."""
+    samples = {"INTERNAL": ["generate: StoreError: internal error (request id 1)"]}
+    window = {"errors": 1, "by_status": {"INTERNAL": 1}, "samples": samples}
+    r = row("shard-kill-put", {"missing_replicas": 3}, {}, **window)
+    assert any("{'INTERNAL': 1}" in p for p in fault_problems(r))
+    print_table({"faults": [r]})
+    assert (
+        "INTERNAL: generate: StoreError: internal error (request id 1)" in capsys.readouterr().out
+    )
 
 
 def test_a_fault_whose_repair_failed_or_never_recovered_fails():
