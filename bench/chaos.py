@@ -118,6 +118,8 @@ class Fault:
     allowed: frozenset[str] = OUTAGE
     """Statuses operations started in its window may fail with."""
     needs_root: bool = False
+    needs_near: bool = False
+    """Takes effect only where decoders verify near the data (`--placement near`)."""
 
 
 @dataclass
@@ -446,10 +448,12 @@ def transit_corrupt(chaos: Chaos) -> Repair:
 
 def attend_corrupt(chaos: Chaos) -> Repair:
     """Corrupt the next Attend answers leaving each shard (the partials of one near-data
-    query each); only decoders attend, so it takes effect once a generation verifies near
-    the data in the window (`--placement near`)."""
+    query each); only decoders attend (`--placement near`), and a generation per tenant
+    over its stored document makes them attend now (the clients' own generations come at
+    random)."""
     actors = list(chaos.deployment.actors.values())
     before = sum(ray.get([a.inject_attend_faults.remote(8) for a in actors], timeout=30))
+    chaos.workload.generate_each("vericache")
 
     def repair() -> dict[str, int]:
         fired = sum(ray.get([a.inject_attend_faults.remote(0) for a in actors], timeout=30))
@@ -541,6 +545,7 @@ FAULTS = {
             "{generate_errors} failed",
             (("corrupted_partials",),),
             frozenset(),
+            needs_near=True,
         ),
     )
 }
@@ -751,13 +756,18 @@ def fault_problems(row: dict) -> list[str]:
     return problems
 
 
-def selected(names: list[str] | None) -> list[Fault]:
+def selected(names: list[str] | None, placement: str = "auto") -> list[Fault]:
+    """The faults to run: `names` (None: all), less those this run cannot inject (not root;
+    near-data faults unless the decoders verify near the data)."""
     faults = [FAULTS[n] for n in names] if names else list(FAULTS.values())
-    if os.geteuid() != 0:
-        skipped = [f.name for f in faults if f.needs_root]
+    for reason, cannot in (
+        ("not root", lambda f: f.needs_root and os.geteuid() != 0),
+        ("not --placement near", lambda f: f.needs_near and placement != "near"),
+    ):
+        skipped = [f.name for f in faults if cannot(f)]
         if skipped:
-            print(f"not root: skipping {', '.join(skipped)}")
-        faults = [f for f in faults if not f.needs_root]
+            print(f"{reason}: skipping {', '.join(skipped)}")
+        faults = [f for f in faults if not cannot(f)]
     return faults
 
 
@@ -775,7 +785,7 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/chaos.json"))
     args = ap.parse_args()
-    faults = selected(args.faults)
+    faults = selected(args.faults, args.placement)
     config = LoadConfig(clients=args.clients, tenants=args.tenants, placement=args.placement)
     from decoder.loader import load_model
     from decoder.runner import ModelRunner

@@ -473,8 +473,18 @@ class Workload:
         return self.reads.verify(tenant, tenant.pick(rng))
 
     def generate(self, tenant: Tenant, rng: random.Random, decoder) -> Done:
-        prompt = rng.choice(tenant.prompts)
-        mode = rng.choice(MODES)
+        return self._generate(rng.choice(tenant.prompts), rng.choice(MODES), decoder)
+
+    def generate_each(self, mode: str = "vericache") -> None:
+        """One generation in `mode` per tenant over its first stored document, run now and
+        recorded (and checked at the end) as the clients' are: the decoders' own traffic on
+        demand, as `sweep` is the store's."""
+        for tenant in self.tenants:
+            address = self.decoders()[0]
+            with DecoderClient(address, tenant.token, timeout_s=self.config.timeout_s) as d:
+                self.run("generate", lambda t=tenant, d=d: self._generate(t.prompts[0], mode, d))
+
+    def _generate(self, prompt: list[int], mode: str, decoder) -> Done:
         started = time.monotonic()
         reply = decoder.generate(token_ids=prompt, max_new_tokens=self.config.new_tokens, mode=mode)
         if mode in LOSSLESS:

@@ -30,7 +30,7 @@ FAULTS = [
 
 def test_faults_under_load_prove_themselves_lose_nothing_and_recover(builtin_model, builtin_runner):
     config = LoadConfig(clients=4, tenants=2, prefixes=2, decoder_threads=1, placement="near")
-    faults = selected(FAULTS)  # disk-full needs root (CI is)
+    faults = selected(FAULTS, config.placement)  # disk-full needs root (CI is)
     own_disk = any(f.name == "disk-full" for f in faults)
     with chaos_deployment(config, own_disk) as deployment:
         result = run(config, deployment, builtin_model, builtin_runner, faults, hold_s=4)

@@ -11,7 +11,7 @@ from collections import deque
 
 import pytest
 
-from bench.chaos import FAULTS, FaultRun, fault_problems, fault_result, print_table
+from bench.chaos import FAULTS, FaultRun, fault_problems, fault_result, print_table, selected
 from bench.chaos import verdict as chaos_verdict
 from bench.load import Losses, Reads, Tenant
 from bench.load import verdict as load_verdict
@@ -165,6 +165,12 @@ def test_a_window_failing_with_a_status_it_does_not_expect_prints_what_failed(ca
     assert (
         "INTERNAL: generate: StoreError: internal error (request id 1)" in capsys.readouterr().out
     )
+
+
+def test_near_data_faults_run_only_where_decoders_verify_near_the_data():
+    """Without near placement no decoder attends, so attend-corrupt could prove nothing."""
+    assert "attend-corrupt" not in [f.name for f in selected(["attend-corrupt"], "auto")]
+    assert [f.name for f in selected(["attend-corrupt"], "near")] == ["attend-corrupt"]
 
 
 def test_a_fault_whose_repair_failed_or_never_recovered_fails():
