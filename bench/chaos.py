@@ -430,18 +430,23 @@ def disk_corrupt(chaos: Chaos) -> Repair:
     return repair
 
 
+def arm_shards(actors: list, injector: str, frames: int) -> int:
+    """Arm every shard's `injector` (an actor method: `inject_transit_faults`,
+    `inject_attend_faults`) for its next `frames` (0 disarms); how many all corrupted so far."""
+    return sum(ray.get([getattr(a, injector).remote(frames) for a in actors], timeout=30))
+
+
 def transit_corrupt(chaos: Chaos) -> Repair:
     """Corrupt the next layers leaving each shard; the workload reads everything back at
     once (so that its clients, not only the decoders' own, meet some) and again at the
     repair."""
     actors = list(chaos.deployment.actors.values())
-    before = sum(ray.get([a.inject_transit_faults.remote(8) for a in actors], timeout=30))
+    before = arm_shards(actors, "inject_transit_faults", 8)
     chaos.workload.sweep()
 
     def repair() -> dict[str, int]:
         chaos.workload.sweep()
-        fired = sum(ray.get([a.inject_transit_faults.remote(0) for a in actors], timeout=30))
-        return {"corrupted": fired - before}
+        return {"corrupted": arm_shards(actors, "inject_transit_faults", 0) - before}
 
     return repair
 
@@ -452,12 +457,11 @@ def attend_corrupt(chaos: Chaos) -> Repair:
     over its stored document makes them attend now (the clients' own generations come at
     random)."""
     actors = list(chaos.deployment.actors.values())
-    before = sum(ray.get([a.inject_attend_faults.remote(8) for a in actors], timeout=30))
+    before = arm_shards(actors, "inject_attend_faults", 8)
     chaos.workload.generate_each("vericache")
 
     def repair() -> dict[str, int]:
-        fired = sum(ray.get([a.inject_attend_faults.remote(0) for a in actors], timeout=30))
-        return {"corrupted_partials": fired - before}
+        return {"corrupted_partials": arm_shards(actors, "inject_attend_faults", 0) - before}
 
     return repair
 

@@ -479,8 +479,8 @@ class Workload:
         """One generation in `mode` per tenant over its first stored document, run now and
         recorded (and checked at the end) as the clients' are: the decoders' own traffic on
         demand, as `sweep` is the store's."""
+        address = self.decoders()[0]
         for tenant in self.tenants:
-            address = self.decoders()[0]
             with DecoderClient(address, tenant.token, timeout_s=self.config.timeout_s) as d:
                 self.run("generate", lambda t=tenant, d=d: self._generate(t.prompts[0], mode, d))
 
