@@ -225,6 +225,13 @@ class DraftCache:
             own.positions[:, start:end] = exact.positions[start:end]
         self.tail_length = self.appended = end
 
+    def catch_up(self, tail: KVCache) -> None:
+        """Mirror the rows of the exact tail verified since this draft tail last drafted
+        (`rollback` leaves them out: a request on exact steps copies nothing per round). The
+        draft tail must hold a leading part of the exact tail's rows."""
+        if self.tail_length < len(tail):
+            self.copy_tail(tail, self.tail_length, len(tail))
+
 
 class DraftStack:
     """The draft forward's sequences over one shared compressed prefix (two or more), which

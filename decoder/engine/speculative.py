@@ -45,11 +45,12 @@ def accept_length(drafts: Sequence[int], choices: Sequence[int]) -> int:
 def rollback(r: Running, before: int, taken: int) -> None:
     """After a verification that started with `before` tail tokens and emitted `taken`:
     the verified KV of the inputs that led to emitted tokens stays in the exact tail, the
-    rest is dropped, and the draft tail mirrors the exact one again."""
+    rest is dropped. The draft tail drops its drafts and keeps the verified rows it holds;
+    the rows verified since are mirrored into it when it next drafts (`catch_up`), not
+    every round: a request on plain exact steps copies nothing."""
     r.tail.truncate(before + taken)
     if r.draft is not None:
-        r.draft.truncate(before)
-        r.draft.copy_tail(r.tail, before, before + taken)
+        r.draft.truncate(min(r.draft.tail_length, before))
 
 
 class Speculator:
@@ -81,6 +82,9 @@ class Speculator:
         first guess it disagrees with (one draft when there are no guesses)."""
         t0 = time.perf_counter()
         drafting = grouped(drafting, lambda r: r.group)
+        for r in drafting:
+            if not r.drafts:  # a round's first draft step: verified rows first
+                r.draft.catch_up(r.tail)
         feeds = [[r.drafts[-1] if r.drafts else r.last, *proposals(r)] for r in drafting]
         logits = self.forward(drafting, feeds)
         self.each(drafting, list(zip(logits, feeds, strict=True)), self._extend_drafts)

@@ -39,10 +39,15 @@ class _Round:
 
 
 class _DraftTail(KVCache):
-    """A draft tail with the `DraftCache` interface `rollback` uses."""
+    """A draft tail with the `DraftCache` interface `rollback` and a draft step use."""
 
-    def copy_tail(self, tail: KVCache, start: int, end: int) -> None:
+    @property
+    def tail_length(self) -> int:
+        return len(self)
+
+    def catch_up(self, tail: KVCache) -> None:
         for mine, theirs in zip(self.layers, tail.layers, strict=True):
+            start, end = mine.length, theirs.length
             mine.append(theirs.k[:, start:end], theirs.v[:, start:end], theirs.positions[start:end])
 
 
@@ -75,9 +80,31 @@ def test_rollback_keeps_the_verified_kv_of_emitted_tokens_and_mirrors_it_into_th
 
     rollback(_Round(tail, draft), before=2, taken=2)  # d1 accepted, then the bonus token
 
-    assert len(tail) == 4 and len(draft) == 4
+    assert len(tail) == 4 and len(draft) == 2  # the drafts are gone; verified rows wait
+    draft.catch_up(tail)  # the next round's first draft step
+    assert len(draft) == 4
     for exact, drafted in zip(tail.layers, draft.layers, strict=True):
         assert exact.k[0, :4, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
         assert torch.equal(drafted.k[:, :4], exact.k[:, :4])
         assert torch.equal(drafted.v[:, :4], exact.v[:, :4])
         assert drafted.positions[:4].tolist() == [0, 1, 2, 3]
+
+
+def test_exact_rounds_leave_the_draft_tail_alone_until_it_drafts_again():
+    """Rounds that draft nothing copy no KV into the draft tail; the next draft step mirrors
+    every row verified meanwhile, so it drafts over exactly the verified context."""
+    config = _config()
+    tail, draft = KVCache(config, granule=32), _DraftTail(config, granule=32)
+    _fill(tail, [1.0, 2.0])
+    _fill(draft, [1.0, 2.0])
+    for value in (3.0, 4.0, 5.0):  # three exact steps: each verifies its one input
+        before = len(tail)
+        _fill(tail, [value])
+        rollback(_Round(tail, draft), before=before, taken=1)
+        assert len(draft) == 2
+
+    draft.catch_up(tail)
+
+    for exact, drafted in zip(tail.layers, draft.layers, strict=True):
+        assert torch.equal(drafted.k[:, :5], exact.k[:, :5])
+        assert drafted.positions[:5].tolist() == [0, 1, 2, 3, 4]
