@@ -9,7 +9,12 @@ mode runs kernels of the project's own, each with one fixed configuration:
 - `kernels.linear`: y = x @ W^T over fixed [block_m, block_n] output tiles, the reduction
   over K in fixed `block_k` steps in order, no split-K: a row's result never depends on
   how many rows the call has or what they hold;
-- `kernels.rms_norm`: one program per row, its sum of squares over one fixed block.
+- `kernels.rms_norm`: one program per row, its sum of squares over one fixed block;
+- `kernels.attention`: one program per query row and head, its keys in chunks of
+  `key_chunk` absolute positions up to its own (the CPU kernel's scheme), each chunk
+  reduced on its own and folded in position order; keys after it are never read. A
+  program per row is the correct baseline, not the fast one: a split over query blocks
+  and keys that keeps the property is the next step.
 
 Their configuration (`Tiles`) and source enter `kernel_id`, as the CPU kernel's do: exact KV
 made by one set of kernels is never verified against by another.

@@ -103,3 +103,70 @@ def test_the_kernel_id_names_the_source_and_the_tiles(tmp_path, monkeypatch):
 def test_tiles_must_be_powers_of_two_of_at_least_16(field, value):
     with pytest.raises(ValueError, match=f"Tiles.{field}: {value} is not a power of two >= 16"):
         Tiles(**{field: value})
+
+
+CHUNK = 16
+"""Small key chunks, so that short sequences span several."""
+
+
+def _attention_inputs(n: int = 6, heads: int = 4, kv_heads: int = 2, length: int = 70, d: int = 24):
+    """d not a power of two and length not a multiple of the chunk: the masks at both edges
+    are exercised; query heads share kv heads (GQA)."""
+    g = _generator()
+    q = torch.randn(n, heads, d, generator=g)
+    k, v = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
+    positions = torch.tensor([0, 5, 15, 16, 40, 69][:n])
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), positions.to(DEVICE)
+
+
+def _reference(q, k, v, positions, scale):
+    group = q.shape[1] // k.shape[0]
+    out = torch.empty_like(q)
+    for row, pos in enumerate(positions.tolist()):
+        for head in range(q.shape[1]):
+            keys, values = k[head // group, : pos + 1], v[head // group, : pos + 1]
+            weights = torch.softmax(keys @ q[row, head] * scale, dim=0)
+            out[row, head] = weights @ values
+    return out
+
+
+def test_attention_is_causal_softmax_attention_over_the_rows_positions():
+    q, k, v, positions = _attention_inputs()
+    got = kernels.attention(q, k, v, positions, 0.2, key_chunk=CHUNK)
+    torch.testing.assert_close(got, _reference(q, k, v, positions, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_an_attention_row_is_the_same_bits_alone_in_any_batch_and_over_any_later_keys():
+    q, k, v, positions = _attention_inputs()
+    together = kernels.attention(q, k, v, positions, 0.2, key_chunk=CHUNK)
+    for row, pos in enumerate(positions.tolist()):
+        one = slice(row, row + 1)
+        alone = kernels.attention(q[one], k, v, positions[one], 0.2, key_chunk=CHUNK)
+        assert torch.equal(alone, together[one])
+        # the keys after its position absent, or holding anything at all (NaN included)
+        cut = kernels.attention(
+            q[one], k[:, : pos + 1], v[:, : pos + 1], positions[one], 0.2, key_chunk=CHUNK
+        )
+        later_k, later_v = k.clone(), v.clone()
+        later_k[:, pos + 1 :], later_v[:, pos + 1 :] = float("nan"), float("inf")
+        poisoned = kernels.attention(q[one], later_k, later_v, positions[one], 0.2, key_chunk=CHUNK)
+        assert torch.equal(cut, together[one]) and torch.equal(poisoned, together[one])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, k, v: (q[..., :8], k, v), "q \\(6, 4, 8\\), k \\(2, 70, 24\\)"),
+        (lambda q, k, v: (q[:, :3], k, v), "3 query heads over 2 kv heads"),
+    ],
+)
+def test_attention_refuses_mismatched_shapes(change, message):
+    q, k, v, positions = _attention_inputs()
+    with pytest.raises(ValueError, match=message):
+        kernels.attention(*change(q, k, v), positions, 0.2, key_chunk=CHUNK)
+
+
+def test_attention_refuses_a_key_chunk_that_is_not_a_power_of_two():
+    q, k, v, positions = _attention_inputs()
+    with pytest.raises(ValueError, match="key_chunk 24 is not a power of two >= 16"):
+        kernels.attention(q, k, v, positions, 0.2, key_chunk=24)
