@@ -103,6 +103,12 @@ proto: install
 bench-summary: install
 	$(PY) bench/bench_summary.py
 
+# The exact-mode GPU kernels on a CUDA device (a stock CUDA PyTorch and Triton; no install,
+# Ray, Redis or gRPC): identity of every row across batches and verify passes, and cost
+# against cuBLAS and SDPA. `make test` runs its CPU smoke mode (tests/bench/test_gpu_check.py).
+gpu-check:
+	PYTHONPATH=. python3 bench/gpu_check.py
+
 bench-decode: install
 	$(PY) bench/bench_decode.py
 
