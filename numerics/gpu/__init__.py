@@ -10,11 +10,10 @@ mode runs kernels of the project's own, each with one fixed configuration:
   over K in fixed `block_k` steps in order, no split-K: a row's result never depends on
   how many rows the call has or what they hold;
 - `kernels.rms_norm`: one program per row, its sum of squares over one fixed block;
-- `kernels.attention`: one program per query row and head, its keys in chunks of
-  `key_chunk` absolute positions up to its own (the CPU kernel's scheme), each chunk
-  reduced on its own and folded in position order; keys after it are never read. A
-  program per row is the correct baseline, not the fast one: a split over query blocks
-  and keys that keeps the property is the next step.
+- `kernels.attention`: a row's keys in chunks of `key_chunk` absolute positions up to its
+  own (the CPU kernel's scheme): every chunk's partials (max, sum, weighted values) are
+  computed in parallel, for the query heads of a kv head together, then each row folds
+  its own in position order; keys after it are never read.
 
 Their configuration (`Tiles`) and source enter `kernel_id`, as the CPU kernel's do: exact KV
 made by one set of kernels is never verified against by another.

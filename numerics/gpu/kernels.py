@@ -97,43 +97,85 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(
-    q, k, v, out, positions, length, scale,
-    stride_qn, stride_qh, stride_kh, stride_kt, stride_on, stride_oh,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _chunk_partials_kernel(
+    q, k, v, m_out, l_out, o_out, positions, length, scale,
+    stride_qn, stride_qh, stride_kh, stride_kt, stride_pn, stride_ph, stride_on, stride_oh,
+    stride_oc, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, MMA: tl.constexpr,
 ):  # fmt: skip
-    """One query row of one head: its keys in chunks of CHUNK absolute positions, from the
-    first up to the chunk that holds its own position, each reduced on its own and folded
-    into the running (max, sum, output) in position order. Keys after its position are
-    never loaded."""
-    row, head = tl.program_id(0), tl.program_id(1)
-    kv = head // GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < D
-    pos = tl.load(positions + row)
-    last = tl.minimum(pos, length - 1)
-    qv = tl.load(q + row * stride_qn + head * stride_qh + dims, mask=dmask, other=0.0)
-    qv = qv.to(tl.float32) * scale
-    m = tl.full((), -float("inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for chunk in range(0, last // CHUNK + 1):
+    """One key chunk of one query row, for the GROUP query heads of one kv head: the chunk's
+    max score, sum of exponentials and weighted values (nothing for a chunk after the
+    row's own: the fold never reads it). Keys after the row's position are never loaded."""
+    row, kv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    last = tl.minimum(tl.load(positions + row), length - 1)
+    if chunk <= last // CHUNK:
+        heads = kv * GROUP + tl.arange(0, GROUP_PAD)
+        hmask = tl.arange(0, GROUP_PAD) < GROUP
+        dims = tl.arange(0, BLOCK_D)
+        dmask = dims < D
         keys = chunk * CHUNK + tl.arange(0, CHUNK)
         kmask = keys <= last
+        qs = (
+            tl.load(
+                q + row * stride_qn + heads[:, None] * stride_qh + dims[None, :],
+                mask=hmask[:, None] & dmask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            * scale
+        )
         at = kv * stride_kh + keys[:, None] * stride_kt + dims[None, :]
         both = kmask[:, None] & dmask[None, :]
         kc = tl.load(k + at, mask=both, other=0.0).to(tl.float32)
-        scores = tl.where(kmask, tl.sum(kc * qv[None, :], axis=1), -float("inf"))
-        m_chunk = tl.max(scores, axis=0)
-        p = tl.exp(scores - m_chunk)
         vc = tl.load(v + at, mask=both, other=0.0).to(tl.float32)
+        if MMA:
+            scores = tl.dot(qs, tl.trans(kc), input_precision="ieee")
+        else:
+            scores = tl.sum(qs[:, None, :] * kc[None, :, :], axis=2)
+        scores = tl.where(kmask[None, :], scores, -float("inf"))
+        m = tl.max(scores, axis=1)
+        p = tl.exp(scores - m[:, None])
+        total = tl.sum(p, axis=1)
+        if MMA:
+            o = tl.dot(p, vc, input_precision="ieee")
+        else:
+            o = tl.sum(p[:, :, None] * vc[None, :, :], axis=1)
+        at_p = row * stride_pn + heads * stride_ph + chunk
+        tl.store(m_out + at_p, m, mask=hmask)
+        tl.store(l_out + at_p, total, mask=hmask)
+        at_o = row * stride_on + heads[:, None] * stride_oh + chunk * stride_oc + dims[None, :]
+        tl.store(o_out + at_o, o, mask=hmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _fold_kernel(
+    m_in, l_in, o_in, out, positions, length,
+    stride_pn, stride_ph, stride_on, stride_oh, stride_oc, stride_yn, stride_yh,
+    CHUNK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One query row of one head: its chunks' partials folded in position order, from the
+    first chunk to its own."""
+    row, head = tl.program_id(0), tl.program_id(1)
+    last = tl.minimum(tl.load(positions + row), length - 1)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < D
+    m = tl.full((), -float("inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    base = row * stride_pn + head * stride_ph
+    for chunk in range(0, last // CHUNK + 1):
+        m_chunk = tl.load(m_in + base + chunk)
+        o_chunk = tl.load(
+            o_in + row * stride_on + head * stride_oh + chunk * stride_oc + dims,
+            mask=dmask,
+            other=0.0,
+        )
         m_new = tl.maximum(m, m_chunk)
         keep, take = tl.exp(m - m_new), tl.exp(m_chunk - m_new)
-        total = total * keep + tl.sum(p, axis=0) * take
-        acc = acc * keep + tl.sum(p[:, None] * vc, axis=0) * take
+        total = total * keep + tl.load(l_in + base + chunk) * take
+        acc = acc * keep + o_chunk * take
         m = m_new
-    o = out + row * stride_on + head * stride_oh + dims
-    tl.store(o, (acc / total).to(out.dtype.element_ty), mask=dmask)
+    y = out + row * stride_yn + head * stride_yh + dims
+    tl.store(y, (acc / total).to(out.dtype.element_ty), mask=dmask)
 
 
 def attention(
@@ -150,7 +192,13 @@ def attention(
     absolute position (it attends the keys at positions up to its own that the T slots
     hold). Returns [N, H, D] in q's dtype. A row's result depends on its query, its
     position and those keys only: not on the other rows, N, T beyond its position, or what
-    the slots after it hold (they are never read)."""
+    the slots after it hold (they are never read).
+
+    Two launches: every (row, kv head, chunk) computes its chunk's partials (max, sum,
+    weighted values; the query heads of a kv head together, so each chunk's keys and values
+    are read once for them), all in parallel; then every (row, head) folds its partials in
+    position order. On a GPU the chunk's products are `tl.dot`s; under Triton's interpreter
+    (CPU tensors), elementwise products summed, as in `linear`."""
     n, heads, d = q.shape
     kv_heads, length, d_k = k.shape
     if d_k != d or v.shape != k.shape:
@@ -161,10 +209,23 @@ def attention(
         raise ValueError(f"attention: key_chunk {key_chunk} is not a power of two >= 16")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     positions = positions.to(device=q.device, dtype=torch.int64).contiguous()
+    chunks = triton.cdiv(length, key_chunk)
+    group, block_d = heads // kv_heads, triton.next_power_of_2(d)
+    m = torch.empty(n, heads, chunks, dtype=torch.float32, device=q.device)
+    total = torch.empty_like(m)
+    o = torch.empty(n, heads, chunks, d, dtype=torch.float32, device=q.device)
+    _chunk_partials_kernel[(n, kv_heads, chunks)](
+        q, k, v, m, total, o, positions, length, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), m.stride(0), m.stride(1),
+        o.stride(0), o.stride(1), o.stride(2),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), CHUNK=key_chunk,
+        D=d, BLOCK_D=block_d, MMA=q.is_cuda,
+    )  # fmt: skip
     out = torch.empty_like(q)
-    _attention_kernel[(n, heads)](
-        q, k, v, out, positions, length, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-        GROUP=heads // kv_heads, CHUNK=key_chunk, D=d, BLOCK_D=triton.next_power_of_2(d),
+    _fold_kernel[(n, heads)](
+        m, total, o, out, positions, length,
+        m.stride(0), m.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        out.stride(0), out.stride(1),
+        CHUNK=key_chunk, D=d, BLOCK_D=block_d,
     )  # fmt: skip
     return out
