@@ -4,7 +4,7 @@ What it checks today, each as a section of the JSON (written after every section
 cut short still reports what it measured) and of the table printed last:
 
 - `identity`: a row's bits alone and inside calls of M rows (the linear layer at the 8B
-  shape's o_proj and down_proj widths, RMSNorm), and an attention row alone, inside a batch
+  shape's o_proj and down_proj widths, RMSNorm, RoPE), and an attention row alone, inside a batch
   of query rows, and inside verify passes of every length up to 33 consecutive positions;
   each also against a float64 reference (relative error of the whole output);
 - `cost`: each exact kernel against the stock path (cuBLAS `F.linear`, flash SDPA) on the
@@ -109,6 +109,29 @@ def norm_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
                 "identical": same_alone(call, x[:m], got),
                 "rel_error": rel_error(got, ref),
             }
+        )
+    return out
+
+
+def rope_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
+    """Each token's rotation alone and inside calls of M tokens."""
+    n, h, d = max(s["rows"]), s["heads"], s["head_dim"]
+    x = randn(n, h, d, device=device, dtype=dtype)
+    angles = torch.arange(n, device=device)[:, None] * torch.rand(d // 2, device=device)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    out = []
+    for m in s["rows"]:
+        got = kernels.rope(x[:m], cos[:m], sin[:m])
+        xd, cd, sd = x[:m].double(), cos[:m, None].double(), sin[:m, None].double()
+        ref = xd * cd + torch.cat([-xd[..., d // 2 :], xd[..., : d // 2]], -1) * sd
+        checked = sorted({0, 1, 2, m - 1} & set(range(m)))
+        same = all(
+            torch.equal(got[i : i + 1], kernels.rope(x[i : i + 1], cos[i : i + 1], sin[i : i + 1]))
+            for i in checked
+        )
+        out.append(
+            {"kernel": "rope", "rows": m, "identical": same, "rel_error": rel_error(got, ref)}
         )
     return out
 
@@ -255,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    sections = [("identity", (linear_identity, norm_identity, attention_identity))]
+    checks = (linear_identity, norm_identity, rope_identity, attention_identity)
+    sections = [("identity", checks)]
     if device == "cuda":
         sections.append(("cost", (cost,)))
     for name, checks in sections:

@@ -10,6 +10,7 @@ mode runs kernels of the project's own, each with one fixed configuration:
   over K in fixed `block_k` steps in order, no split-K: a row's result never depends on
   how many rows the call has or what they hold;
 - `kernels.rms_norm`: one program per row, its sum of squares over one fixed block;
+- `kernels.rope`: one program per token (rotate-half, as the CPU's `apply_rope`);
 - `kernels.attention`: a row's keys in chunks of `key_chunk` absolute positions up to its
   own (the CPU kernel's scheme): every chunk's partials (max, sum, weighted values) are
   computed in parallel, for the query heads of a kv head together, then each row folds

@@ -1,5 +1,5 @@
-"""Exact-mode Triton kernels: a linear layer, RMSNorm and causal attention whose rows are
-batch-invariant.
+"""Exact-mode Triton kernels: a linear layer, RMSNorm, RoPE and causal attention whose rows
+are batch-invariant.
 
 Each output element is reduced in one fixed order that depends on nothing but its own row:
 the linear layer steps over K in `Tiles.block_k` columns, in order, into an fp32
@@ -229,3 +229,43 @@ def attention(
         CHUNK=key_chunk, D=d, BLOCK_D=block_d,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _rope_kernel(
+    x, cos, sin, y, heads, half, stride_xn, stride_xh, stride_cn,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """One token's heads: y = x * cos + rotate_half(x) * sin (rotate_half: [-x2, x1])."""
+    row = tl.program_id(0)
+    hs = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_HALF)
+    dmask = dims < half
+    mask = (hs[:, None] < heads) & dmask[None, :]
+    at = row * stride_xn + hs[:, None] * stride_xh + dims[None, :]
+    x1 = tl.load(x + at, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + at + half, mask=mask, other=0.0).to(tl.float32)
+    angle = row * stride_cn + dims
+    c1 = tl.load(cos + angle, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos + angle + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin + angle, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin + angle + half, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + at, (x1 * c1 - x2 * s1).to(y.dtype.element_ty), mask=mask)
+    tl.store(y + at + half, (x2 * c2 + x1 * s2).to(y.dtype.element_ty), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; cos/sin: [N, D] -> [N, heads, D], the rotate-half convention of
+    `numerics.cpu.forward.apply_rope`, token by token (D even)."""
+    n, heads, d = x.shape
+    if d % 2 or cos.shape != (n, d) or sin.shape != (n, d):
+        raise ValueError(
+            f"rope: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    _rope_kernel[(n,)](
+        x, cos, sin, y, heads, d // 2, x.stride(0), x.stride(1), cos.stride(0),
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(d // 2),
+    )  # fmt: skip
+    return y

@@ -35,7 +35,13 @@ def test_the_smoke_mode_checks_every_kernel_and_writes_its_report(tmp_path):
     assert report["device"] == "cpu (Triton interpreter)"
     assert report["kernel_id"].startswith("triton-")
     kinds = {row["kernel"] for row in report["identity"]}
-    assert {"linear o_proj", "linear down_proj", "rms_norm", "attention spread rows"} <= kinds
+    assert {
+        "linear o_proj",
+        "linear down_proj",
+        "rms_norm",
+        "rope",
+        "attention spread rows",
+    } <= kinds
     assert sum(kind.startswith("attention verify pass") for kind in kinds) == 1
     assert len([r for r in report["identity"] if r["kernel"] == "attention verify pass"]) == 5
     assert all(row["identical"] for row in report["identity"])

@@ -170,3 +170,36 @@ def test_attention_refuses_a_key_chunk_that_is_not_a_power_of_two():
     q, k, v, positions = _attention_inputs()
     with pytest.raises(ValueError, match="key_chunk 24 is not a power of two >= 16"):
         kernels.attention(q, k, v, positions, 0.2, key_chunk=24)
+
+
+def _rope_inputs(n: int = 9, heads: int = 3, d: int = 24):
+    """Neither the heads nor half the head size a power of two: the masks are exercised."""
+    g = _generator()
+    x = torch.randn(n, heads, d, generator=g)
+    angles = torch.arange(n)[:, None] * torch.rand(d // 2, generator=g)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE)
+
+
+def test_rope_computes_the_cpu_rotation():
+    from numerics.cpu.forward import apply_rope
+
+    x, cos, sin = _rope_inputs()
+    torch.testing.assert_close(kernels.rope(x, cos, sin), apply_rope(x, cos, sin))
+
+
+def test_a_rope_token_is_the_same_bits_in_any_batch():
+    x, cos, sin = _rope_inputs()
+    together = kernels.rope(x, cos, sin)
+    alone = torch.cat(
+        [kernels.rope(x[i : i + 1], cos[i : i + 1], sin[i : i + 1]) for i in range(9)]
+    )
+    assert torch.equal(together, alone)
+
+
+def test_rope_refuses_an_odd_head_size_or_angles_of_another_shape():
+    x, cos, sin = _rope_inputs()
+    with pytest.raises(ValueError, match="rope: x \\(9, 3, 23\\)"):
+        kernels.rope(x[..., :23], cos[:, :23], sin[:, :23])
+    with pytest.raises(ValueError, match="cos \\(8, 24\\)"):
+        kernels.rope(x, cos[:8], sin)
