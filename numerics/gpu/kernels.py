@@ -198,7 +198,10 @@ def attention(
     weighted values; the query heads of a kv head together, so each chunk's keys and values
     are read once for them), all in parallel; then every (row, head) folds its partials in
     position order. On a GPU the chunk's products are `tl.dot`s; under Triton's interpreter
-    (CPU tensors), elementwise products summed, as in `linear`."""
+    (CPU tensors), elementwise products summed, as in `linear`. The partials take
+    N x H x ceil(T / key_chunk) x (D + 2) fp32 scratch: 70 MB for a 33-row verify pass over
+    32K keys at 32 x 128 heads, so a caller splits a long prefill into row blocks (a row's
+    bits do not depend on its block)."""
     n, heads, d = q.shape
     kv_heads, length, d_k = k.shape
     if d_k != d or v.shape != k.shape:
