@@ -27,6 +27,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # deployment's actors a few percent of a core: a two-decoder deployment took 204 s to start
 # (42 s in an earlier run), its test worker waiting. Here they share the cores evenly.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Without a GPU, the exact-mode Triton kernels (numerics/gpu) run under Triton's interpreter.
+# It is chosen as triton.language is first imported, by whichever module imports it first
+# (torch and transformers do when Triton is installed), so it is set here, before any: set
+# in the kernels' test module alone, it came too late on a worker that had imported Triton
+# for another test, and every kernel call failed.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_finish(session):
