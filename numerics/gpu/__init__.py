@@ -17,11 +17,13 @@ mode runs kernels of the project's own, each with one fixed configuration:
   its own in position order; keys after it are never read.
 
 Their configuration (`Tiles`) and source enter `kernel_id`, as the CPU kernel's do: exact KV
-made by one set of kernels is never verified against by another.
+made by one set of kernels is never verified against by another. (The key chunk is the
+runner's setting, as on CPU.)
 
-Tested on CPU under Triton's interpreter (`TRITON_INTERPRET=1`, set before `kernels` is
-imported), at small fp32 shapes: indexing, masking, and the invariance itself. Importing
-this package needs no Triton; `kernels` does.
+Tested on CPU under Triton's interpreter (`TRITON_INTERPRET=1`, which must be set before
+anything imports `triton.language`: tests/conftest.py sets it), at small fp32 shapes:
+indexing, masking, and the invariance itself. Importing this package needs no Triton;
+`kernels` does.
 """
 
 from __future__ import annotations
