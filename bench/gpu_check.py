@@ -64,12 +64,20 @@ def randn(*shape: int, device: str, dtype: torch.dtype, scale: float = 1.0) -> t
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
-def same_alone(call, x: torch.Tensor, got: torch.Tensor) -> bool:
-    """Whether the first rows and the last of `got` (= `call(x)`) are the bits each of them
-    gets computed alone."""
-    m = x.shape[0]
-    checked = sorted({0, 1, 2, m - 1} & set(range(m)))
-    return all(torch.equal(got[i : i + 1], call(x[i : i + 1])) for i in checked)
+def edge_rows(m: int) -> list[int]:
+    """The rows of a call of `m` checked against themselves alone: the first three, the last."""
+    return sorted({0, 1, 2, m - 1} & set(range(m)))
+
+
+def identity_row(kernel: str, got: torch.Tensor, alone, rows, ref) -> dict:
+    """One identity check: whether each of `rows` of `got` is the bits `alone(i)` gives for
+    it computed alone, and `got`'s error against the float64 `ref` (None: not computed)."""
+    return {
+        "kernel": kernel,
+        "rows": got.shape[0],
+        "identical": all(torch.equal(got[i : i + 1], alone(i)) for i in rows),
+        "rel_error": None if ref is None else rel_error(got, ref),
+    }
 
 
 def linear_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
@@ -80,16 +88,10 @@ def linear_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
         w = randn(s["hidden"], k, device=device, dtype=dtype, scale=k**-0.5)
         x = randn(max(s["rows"]), k, device=device, dtype=dtype)
         for m in s["rows"]:
-            call = lambda rows, w=w: kernels.linear(rows, w, s["tiles"])  # noqa: E731
-            got = call(x[:m])
-            out.append(
-                {
-                    "kernel": f"linear {name}",
-                    "rows": m,
-                    "identical": same_alone(call, x[:m], got),
-                    "rel_error": rel_error(got, x[:m].double() @ w.double().T),
-                }
-            )
+            got = kernels.linear(x[:m], w, s["tiles"])
+            alone = lambda i, x=x, w=w: kernels.linear(x[i : i + 1], w, s["tiles"])  # noqa: E731
+            ref = x[:m].double() @ w.double().T
+            out.append(identity_row(f"linear {name}", got, alone, edge_rows(m), ref))
     return out
 
 
@@ -101,15 +103,8 @@ def norm_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
         got = kernels.rms_norm(x[:m], g, 1e-5)
         xd = x[:m].double()
         ref = g.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
-        call = lambda rows: kernels.rms_norm(rows, g, 1e-5)  # noqa: E731
-        out.append(
-            {
-                "kernel": "rms_norm",
-                "rows": m,
-                "identical": same_alone(call, x[:m], got),
-                "rel_error": rel_error(got, ref),
-            }
-        )
+        alone = lambda i: kernels.rms_norm(x[i : i + 1], g, 1e-5)  # noqa: E731
+        out.append(identity_row("rms_norm", got, alone, edge_rows(m), ref))
     return out
 
 
@@ -125,14 +120,8 @@ def rope_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
         got = kernels.rope(x[:m], cos[:m], sin[:m])
         xd, cd, sd = x[:m].double(), cos[:m, None].double(), sin[:m, None].double()
         ref = xd * cd + torch.cat([-xd[..., d // 2 :], xd[..., : d // 2]], -1) * sd
-        checked = sorted({0, 1, 2, m - 1} & set(range(m)))
-        same = all(
-            torch.equal(got[i : i + 1], kernels.rope(x[i : i + 1], cos[i : i + 1], sin[i : i + 1]))
-            for i in checked
-        )
-        out.append(
-            {"kernel": "rope", "rows": m, "identical": same, "rel_error": rel_error(got, ref)}
-        )
+        alone = lambda i: kernels.rope(x[i : i + 1], cos[i : i + 1], sin[i : i + 1])  # noqa: E731
+        out.append(identity_row("rope", got, alone, edge_rows(m), ref))
     return out
 
 
@@ -164,20 +153,14 @@ def attention_identity(s: dict, device: str, dtype: torch.dtype) -> list[dict]:
         q = randn(len(positions), h, d, device=device, dtype=dtype)
         got = kernels.attention(q, k, v, pos, scale, key_chunk=chunk)
 
-        def alone(i: int, p: int, q=q, pos=pos) -> torch.Tensor:  # the keys up to p only
-            one, cut = slice(i, i + 1), slice(0, p + 1)
+        def alone(i: int, q=q, pos=pos, positions=positions) -> torch.Tensor:  # keys up to its own
+            one, cut = slice(i, i + 1), slice(0, positions[i] + 1)
             return kernels.attention(q[one], k[:, cut], v[:, cut], pos[one], scale, key_chunk=chunk)
 
-        same = all(torch.equal(got[i : i + 1], alone(i, p)) for i, p in enumerate(positions[:4]))
         referenced = kind == "spread rows" or len(positions) <= 2  # float64 on the host is slow
         ref = attention_reference(q, k, v, pos, scale) if referenced else None
         out.append(
-            {
-                "kernel": f"attention {kind}",
-                "rows": len(positions),
-                "identical": same,
-                "rel_error": None if ref is None else rel_error(got, ref),
-            }
+            identity_row(f"attention {kind}", got, alone, range(min(4, len(positions))), ref)
         )
     return out
 

@@ -35,6 +35,12 @@ from pathlib import Path
 KERNELS_SOURCE = Path(__file__).with_name("kernels.py")
 
 
+def block_size(value: int) -> bool:
+    """Whether `value` can size a kernel's block: a power of two of at least 16 (`tl.dot`'s
+    smallest operand)."""
+    return value >= 16 and not value & (value - 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Tiles:
     """The one tile configuration of `kernels.linear` (never tuned per call: a shape chosen
@@ -51,7 +57,7 @@ class Tiles:
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if not block_size(value):
                 raise ValueError(f"Tiles.{name}: {value} is not a power of two >= 16")
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from numerics.gpu import DEFAULT_TILES, Tiles
+from numerics.gpu import DEFAULT_TILES, Tiles, block_size
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def attention(
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if heads % kv_heads:
         raise ValueError(f"attention: {heads} query heads over {kv_heads} kv heads")
-    if key_chunk < 16 or key_chunk & (key_chunk - 1):
+    if not block_size(key_chunk):
         raise ValueError(f"attention: key_chunk {key_chunk} is not a power of two >= 16")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     positions = positions.to(device=q.device, dtype=torch.int64).contiguous()
